@@ -1,0 +1,58 @@
+"""Shared test helpers: tiny configs and a torchrun launcher for multi-process (gloo) tests."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Few threads per process: CI has 2 cores, and multi-process tests run several processes at once.
+torch.set_num_threads(2)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_train(args: list[str], nproc: int = 1, timeout: int = 600, check: bool = True, env: dict | None = None):
+    """Runs train.py (through torchrun when nproc > 1) and returns the CompletedProcess."""
+    base_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline"}
+    base_env.update(env or {})
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               f"--master_port={free_port()}", "train.py", *args]  # fmt: skip
+    else:
+        cmd = [sys.executable, "train.py", *args]
+    result = subprocess.run(cmd, cwd=ROOT, env=base_env, capture_output=True, text=True, timeout=timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stdout[-4000:]}\n"
+                             f"{result.stderr[-6000:]}")  # fmt: skip
+    return result
+
+
+def read_metrics(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(folder) / "metrics.jsonl").read_text().splitlines()]
+
+
+TINY = [
+    "--job.config_file", str(ROOT / "train_configs/debug_model.toml"),
+    "--metrics.log_freq", "1",
+    "--metrics.enable_tensorboard", "false",
+    "--sampling.freq", "0",
+    "--checkpoint.enable", "false",
+    "--training.local_batch_size", "8",
+    "--lr_scheduler.warmup_steps", "2",
+]  # fmt: skip
+
+
+@pytest.fixture
+def tiny_args():
+    return list(TINY)

@@ -1,0 +1,95 @@
+"""Config parsing: TOML < CLI precedence, and clear errors that name the key and the file."""
+
+import pytest
+
+from tests.conftest import ROOT, run_train
+from torchtitan.config_manager import ConfigError, JobConfig, check_batch_sizes, parse_args, to_toml
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_toml_then_cli_precedence(tmp_path):
+    path = write(tmp_path, "[training]\nsteps = 7\nlocal_batch_size = 4\n[optimizer]\nlr = 0.5\n")
+    cfg = parse_args(["--job.config_file", path, "--training.steps", "9"])
+    assert cfg.training.steps == 9  # CLI wins
+    assert cfg.training.local_batch_size == 4  # TOML beats the default
+    assert cfg.optimizer.lr == 0.5
+    assert cfg.training.dataset == "digits"  # default
+
+
+def test_nested_sections_and_lists(tmp_path):
+    text = "[quantize.linear.float8]\nenable = true\nfilter_fqns = ['a', 'b']\n[training.dataloader]\nnum_workers = 2\n"
+    cfg = parse_args(["--job.config_file", write(tmp_path, text), "--compile.components", "model"])
+    assert cfg.quantize.linear.float8.enable and cfg.quantize.linear.float8.filter_fqns == ["a", "b"]
+    assert cfg.training.dataloader.num_workers == 2
+    assert cfg.compile.components == ["model"]
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = parse_args(["--training.steps", "3", "--model.flavor", "DiT-S/2"])
+    again = parse_args(["--job.config_file", write(tmp_path, to_toml(cfg))])
+    again.job.config_file = cfg.job.config_file
+    assert again == cfg
+
+
+@pytest.mark.parametrize(
+    "text, fragments",
+    [
+        ("[training]\nstepz = 3\n", ["training.stepz", "job.toml"]),
+        ("[trainng]\nsteps = 3\n", ["trainng.steps", "section", "job.toml"]),
+        ("[training]\nsteps = 'many'\n", ["training.steps", "job.toml", "int"]),
+        ("[training]\nsteps = 0\n", ["training.steps", "job.toml"]),
+        ("[model]\nflavor = 'DiT-XXL/2'\n", ["model.flavor", "job.toml"]),
+        ("[diffusion]\nobjective = 'rectified_flow'\n", ["diffusion.prediction", "velocity"]),
+        ("[activation_checkpoint]\nselective_ac_option = 'every'\n", ["selective_ac_option"]),
+        ("[training]\ndataset = 'imagefolder'\n", ["training.dataset_path"]),
+        ("[parallelism]\ndata_parallel_shard_degree = 0\n", ["data_parallel_shard_degree"]),
+        ("[training]\nema_decay = 1.5\n", ["training.ema_decay"]),
+    ],
+)
+def test_bad_toml_names_key_and_file(tmp_path, text, fragments):
+    with pytest.raises(ConfigError) as err:
+        parse_args(["--job.config_file", write(tmp_path, text)])
+    for fragment in fragments:
+        assert fragment in str(err.value)
+
+
+def test_bad_cli_values():
+    with pytest.raises(ConfigError, match="training.local_batch_size.*command line"):
+        parse_args(["--training.local_batch_size", "x"])
+    with pytest.raises(ConfigError, match="--training.nope"):
+        parse_args(["--training.nope", "1"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        parse_args(["--job.config_file", "/nonexistent/job.toml"])
+
+
+def test_global_batch_divisibility():
+    cfg = JobConfig()
+    cfg.training.local_batch_size, cfg.training.global_batch_size = 8, 64
+    assert check_batch_sizes(cfg, dp_degree=2) == 4
+    cfg.training.global_batch_size = 60
+    with pytest.raises(ConfigError, match="training.global_batch_size = 60.*8 x 2"):
+        check_batch_sizes(cfg, dp_degree=2)
+
+
+def test_train_exits_nonzero_before_work(tmp_path):
+    bad = write(tmp_path, "[training]\nglobal_batch_size = 30\nlocal_batch_size = 8\n")
+    result = run_train(["--job.config_file", bad, "--job.dump_folder", str(tmp_path / "run")], check=False)
+    assert result.returncode == 2
+    assert "training.global_batch_size" in result.stderr and "job.toml" in result.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_help_lists_every_key():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True).stdout
+    for key in ("--training.global_batch_size", "--quantize.linear.float8.emulate", "--dp.augmult", "--latent.tokenizer",
+                "--training.dataloader.num_workers", "--checkpoint.keep_latest_k"):  # fmt: skip
+        assert key in out
+    assert "Gradient clipping norm" in out  # field docstrings are the help text

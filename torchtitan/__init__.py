@@ -1,0 +1,1 @@
+"""TorchDiTan: a distributed trainer for Diffusion Transformers, in the style of TorchTitan."""

@@ -1,0 +1,62 @@
+"""Exponential moving average of the weights; samples and exports use it.
+
+EMA tensors mirror the parameters (DTensor shards under FSDP), so the update needs no communication.
+"""
+
+import contextlib
+
+import torch
+from torch import nn
+
+
+def clean_fqn(name: str) -> str:
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
+class EMA:
+    def __init__(self, model: nn.Module, decay: float, warmup: bool = False):
+        self.decay = decay
+        self.warmup = warmup
+        self.num_updates = 0
+        # Clean FQNs (no activation-checkpoint wrapper prefix) so exports load into a plain model.
+        self.names = [clean_fqn(name) for name, p in model.named_parameters() if p.requires_grad]
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.shadow = [p.detach().clone().float() for p in self.params]
+
+    def current_decay(self) -> float:
+        if self.warmup:
+            # Ramp used by many short-run trainers: early averages do not drag in the random init.
+            return min(self.decay, (1 + self.num_updates) / (10 + self.num_updates))
+        return self.decay
+
+    @torch.no_grad()
+    def update(self) -> None:
+        decay = self.current_decay()
+        sources = [p.detach().float() if p.dtype != torch.float32 else p.detach() for p in self.params]
+        torch._foreach_lerp_(self.shadow, sources, 1.0 - decay)
+        self.num_updates += 1
+
+    @contextlib.contextmanager
+    def swapped_in(self):
+        """Temporarily puts the EMA weights into the model (for sampling), then restores the live ones."""
+        self._swap()
+        try:
+            yield
+        finally:
+            self._swap()
+
+    @torch.no_grad()
+    def _swap(self) -> None:
+        for p, e in zip(self.params, self.shadow):
+            live = p.detach().clone()
+            p.copy_(e)
+            e.copy_(live)
+
+    def state_dict(self) -> dict:
+        return {"num_updates": torch.tensor(self.num_updates), **dict(zip(self.names, self.shadow))}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.num_updates = int(state["num_updates"])
+        with torch.no_grad():
+            for name, e in zip(self.names, self.shadow):
+                e.copy_(state[name])

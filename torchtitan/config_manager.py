@@ -1,0 +1,608 @@
+"""JobConfig: one dataclass per TOML section; precedence CLI > TOML > default.
+
+Keys follow TorchTitan's TOML (v0.2.2) where a DiT has the same knob. Every field's
+docstring is the help text `train.py --help` prints.
+"""
+
+import argparse
+import ast
+import dataclasses
+import sys
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class ConfigError(ValueError):
+    """A bad config value; the message names the key and the file."""
+
+
+@dataclass
+class Job:
+    config_file: str = ""
+    """TOML file to load; other keys on the command line override it."""
+    dump_folder: str = "./outputs/debug"
+    """Run folder: metrics, checkpoints, samples, TensorBoard, traces."""
+    description: str = "TorchDiTan run"
+    """Free text describing the run."""
+    print_config: bool = False
+    """Print the resolved config at start."""
+    save_config_file: str = "config.toml"
+    """Name of the resolved config written to the run folder ('' to skip)."""
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = False
+    """Record torch profiler traces."""
+    save_traces_folder: str = "profile_traces"
+    """Traces go to <dump_folder>/<this>/iteration_N."""
+    profile_freq: int = 10
+    """Steps between trace dumps."""
+    profiler_active: int = 1
+    """Steps recorded per trace."""
+    profiler_warmup: int = 3
+    """Warmup steps before each recorded window."""
+    enable_memory_snapshot: bool = False
+    """Record CUDA allocation history and dump snapshots (GPU only)."""
+    save_memory_snapshot_folder: str = "memory_snapshot"
+    """Snapshots go to <dump_folder>/<this>/iteration_N."""
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 10
+    """Steps between console/jsonl/TensorBoard/wandb logs."""
+    enable_tensorboard: bool = False
+    """Write TensorBoard events."""
+    save_tb_folder: str = "tb"
+    """TensorBoard folder inside the run folder."""
+    enable_wandb: bool = False
+    """Log to Weights & Biases (set WANDB_MODE=offline to stay local)."""
+    disable_color_printing: bool = False
+    """Plain console lines without ANSI colors."""
+    save_for_all_ranks: bool = False
+    """Every rank writes its own metrics (rank-suffixed); otherwise rank 0 only."""
+
+
+@dataclass
+class Model:
+    name: str = "dit"
+    """Registered TrainSpec name."""
+    flavor: str = "debug"
+    """Key of dit_configs, e.g. 'DiT-XL/2', '0.5B', '7B', 'debug'."""
+    input_size: int = 0
+    """Override: spatial input size (pixels or latent cells); 0 keeps the flavor's."""
+    in_channels: int = 0
+    """Override: input channels; 0 keeps the flavor's."""
+    patch_size: int = 0
+    """Override: patch size; 0 keeps the flavor's."""
+    num_classes: int = -1
+    """Override: number of classes (0: unconditional); -1 keeps the flavor's."""
+    pos_embed: str = ""
+    """Override: 'rope2d' | 'sincos' | 'learned'; '' keeps the flavor's."""
+    norm: str = ""
+    """Override: 'layernorm' | 'rmsnorm'; '' keeps the flavor's."""
+    mlp: str = ""
+    """Override: 'gelu' | 'swiglu'; '' keeps the flavor's."""
+    qk_norm: str = ""
+    """Override: 'true' | 'false'; '' keeps the flavor's."""
+    learn_sigma: str = ""
+    """Override: 'true' | 'false' (DiT's 2C-channel output + VLB term); '' keeps the flavor's."""
+
+
+@dataclass
+class Diffusion:
+    objective: str = "ddpm"
+    """'ddpm' (epsilon prediction, as DiT) or 'rectified_flow' (velocity, as SiT/SD3)."""
+    prediction: str = "epsilon"
+    """Model target: 'epsilon' for ddpm, 'velocity' for rectified_flow."""
+    noise_schedule: str = "linear"
+    """DDPM beta schedule: 'linear' (DiT) or 'cosine' (iDDPM)."""
+    num_timesteps: int = 1000
+    """DDPM training timesteps."""
+    timestep_sampling: str = "uniform"
+    """'uniform' or 'logit_normal' (rectified flow, SD3)."""
+    logit_normal_mean: float = 0.0
+    """Mean of the logit-normal timestep density."""
+    logit_normal_std: float = 1.0
+    """Std of the logit-normal timestep density."""
+    class_dropout_prob: float = 0.1
+    """Probability a label is replaced by the null class (classifier-free guidance)."""
+
+
+@dataclass
+class Optimizer:
+    name: str = "AdamW"
+    """Only AdamW."""
+    lr: float = 1e-4
+    """Peak learning rate."""
+    beta1: float = 0.9
+    """Adam beta1."""
+    beta2: float = 0.999
+    """Adam beta2."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (DiT uses 0)."""
+    implementation: str = "fused"
+    """'fused' (CUDA only; falls back to foreach on CPU), 'foreach' or 'for-loop'."""
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = 0
+    """Linear warmup steps."""
+    decay_ratio: float = 0.0
+    """Fraction of the steps spent decaying at the end (0: constant after warmup, as DiT)."""
+    decay_type: str = "cosine"
+    """'linear', 'cosine' or 'sqrt'."""
+    min_lr_factor: float = 0.0
+    """Final lr as a fraction of the peak."""
+
+
+@dataclass
+class DataLoader:
+    num_workers: int = 0
+    """Worker processes per rank."""
+    persistent_workers: bool = False
+    """Keep workers alive between epochs."""
+    pin_memory: bool = False
+    """Pin host memory (GPU)."""
+    prefetch_factor: int = 2
+    """Batches prefetched per worker (when num_workers > 0)."""
+
+
+@dataclass
+class Training:
+    dataset: str = "digits"
+    """'digits' (embedded) | 'dummy' | 'imagefolder' | 'cifar10' | 'latents'."""
+    dataset_path: str = ""
+    """Local folder of the dataset (imagefolder, cifar10, latents)."""
+    image_size: int = 0
+    """Image size after resize/crop; 0 uses model input_size."""
+    local_batch_size: int = 32
+    """Micro-batch per rank per forward."""
+    global_batch_size: int = -1
+    """Images per optimizer step over all ranks; -1 = local x data-parallel degree (no accumulation)."""
+    steps: int = 1000
+    """Optimizer steps."""
+    max_norm: float = 1.0
+    """Gradient clipping norm (0 disables); the norm is logged either way."""
+    mixed_precision_param: str = "bfloat16"
+    """Parameter/compute dtype on GPU ('bfloat16' or 'float32'); CPU always runs float32."""
+    mixed_precision_reduce: str = "float32"
+    """Gradient reduction dtype under FSDP."""
+    ema_decay: float = 0.9999
+    """EMA decay of weights (samples and exports use the EMA); 0 disables."""
+    ema_warmup: bool = False
+    """Ramp the EMA decay as min(decay, (1 + n) / (10 + n)) for short runs."""
+    gc_freq: int = 50
+    """Steps between Python garbage collections."""
+    dataloader: DataLoader = field(default_factory=DataLoader)
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = 1
+    """DDP (replicate) degree; with shard > 1 gives HSDP."""
+    data_parallel_shard_degree: int = -1
+    """FSDP degree; -1 takes the rest of the world."""
+    fsdp_reshard_after_forward: str = "default"
+    """'default', 'always' or 'never'."""
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = False
+    """Save checkpoints and resume from the newest complete one."""
+    folder: str = "checkpoint"
+    """Folder inside the run folder."""
+    interval: int = 500
+    """Steps between checkpoints (one is also written at the end)."""
+    async_mode: str = "disabled"
+    """'disabled' or 'async' (torch.distributed.checkpoint.async_save)."""
+    keep_latest_k: int = 0
+    """Keep only the newest k complete checkpoints (0 keeps all)."""
+    load_step: int = -1
+    """Resume from this step instead of the newest (-1: newest)."""
+    initial_load_path: str = ""
+    """Checkpoint folder to start from when the run has none of its own."""
+    last_save_model_only: bool = False
+    """The final checkpoint holds model and EMA only."""
+    export_dtype: str = "float32"
+    """dtype of the EMA safetensors export ('float32' or 'bfloat16')."""
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: str = "none"
+    """'none' | 'full' | 'selective'."""
+    selective_ac_option: str = "op"
+    """'op' (per-op policy) or an integer k: checkpoint every k-th block."""
+
+
+@dataclass
+class Compile:
+    enable: bool = False
+    """torch.compile each block (and the loss if listed)."""
+    components: list[str] = field(default_factory=lambda: ["model", "loss"])
+    """What to compile: 'model', 'loss'."""
+
+
+@dataclass
+class Float8:
+    enable: bool = False
+    """float8 training of Linear layers through torchao."""
+    recipe_name: str = "tensorwise"
+    """torchao recipe: 'tensorwise', 'rowwise', 'rowwise_with_gw_hp'."""
+    filter_fqns: list[str] = field(default_factory=lambda: ["final_layer", "t_embedder", "x_embedder"])
+    """Module FQN substrings left in high precision."""
+    emulate: bool = False
+    """Emulate float8 (CPU tests)."""
+
+
+@dataclass
+class Linear:
+    float8: Float8 = field(default_factory=Float8)
+
+
+@dataclass
+class Quantize:
+    linear: Linear = field(default_factory=Linear)
+
+
+@dataclass
+class Sampling:
+    freq: int = 500
+    """Steps between sample grids (one is also written at the end; 0 disables)."""
+    num_samples: int = 16
+    """Images in the grid (classes cycle through 0..num_classes-1)."""
+    steps: int = 50
+    """Sampler steps."""
+    sampler: str = "default"
+    """'ddim' (ddpm), 'euler' or 'heun' (rectified_flow); 'default' picks per objective."""
+    cfg_scale: float = 1.0
+    """Classifier-free guidance scale (1: off)."""
+    seed: int = 0
+    """Seed of the fixed sampling noise."""
+
+
+@dataclass
+class Latent:
+    tokenizer: str = ""
+    """'' (pixel space), 'cosmos_jit' or 'diffusers'."""
+    checkpoint_dir: str = ""
+    """Local folder of the tokenizer."""
+    scale_factor: float = 0.0
+    """Latent scale (e.g. SD 0.18215); 0 uses the statistics stored with the prepared data."""
+
+
+@dataclass
+class DP:
+    enable: bool = False
+    """Train with DP-SGD (per-sample clipping + Gaussian noise)."""
+    mode: str = "flash_bookkeeping"
+    """'ghost' | 'flash' | 'bookkeeping' | 'flash_bookkeeping' (or 'vanilla': non-private, same path)."""
+    max_grad_norm: float = 1.0
+    """Per-sample clipping norm C."""
+    noise_multiplier: float = 1.0
+    """Noise std / C; ignored when target_epsilon > 0."""
+    target_epsilon: float = 0.0
+    """Calibrate noise_multiplier to reach this epsilon at the end (0: use noise_multiplier)."""
+    delta: float = 1e-5
+    """Target delta."""
+    accountant: str = "rdp"
+    """'rdp' or 'prv' (Opacus accountants)."""
+    sampling: str = "shuffle"
+    """'poisson' (the accountant's assumption) or 'shuffle' (fixed-size shuffled batches)."""
+    augmult: int = 1
+    """Noise/timestep draws per example averaged before clipping (DPDM)."""
+
+
+@dataclass
+class Debug:
+    seed: int = 0
+    """Global seed."""
+    deterministic: bool = False
+    """Deterministic algorithms (bitwise-reproducible resume on CPU)."""
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    profiling: Profiling = field(default_factory=Profiling)
+    metrics: Metrics = field(default_factory=Metrics)
+    model: Model = field(default_factory=Model)
+    diffusion: Diffusion = field(default_factory=Diffusion)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    quantize: Quantize = field(default_factory=Quantize)
+    sampling: Sampling = field(default_factory=Sampling)
+    latent: Latent = field(default_factory=Latent)
+    dp: DP = field(default_factory=DP)
+    debug: Debug = field(default_factory=Debug)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """Field docstrings (the string literal after each field) read from the class source."""
+    import inspect
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):
+        return {}
+    docs, body = {}, tree.body[0].body
+    for prev, node in zip(body, body[1:]):
+        if isinstance(prev, ast.AnnAssign) and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            docs[prev.target.id] = str(node.value.value)
+    return docs
+
+
+def _leaf_fields(cls: type, prefix: str = ""):
+    """Yields (dotted key, field, type, owning class) for every leaf field under cls."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        ftype = hints[f.name]
+        if dataclasses.is_dataclass(ftype):
+            yield from _leaf_fields(ftype, key + ".")
+        else:
+            yield key, f, ftype, cls
+
+
+def _convert(value, ftype, key: str, source: str):
+    """Converts a TOML or CLI value to the field's type, naming key and source on failure."""
+    expected = getattr(ftype, "__name__", str(ftype))
+    if ftype is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+            return value.lower() in ("true", "1")
+    elif ftype is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+    elif ftype is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif ftype is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, int) and not isinstance(value, bool):  # e.g. selective_ac_option = 2
+            return str(value)
+    elif typing.get_origin(ftype) is list:
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return list(value)
+        if isinstance(value, str):
+            return [v.strip() for v in value.split(",") if v.strip()]
+    raise ConfigError(f"{key} = {value!r} in {source}: expected {expected}")
+
+
+def _set(cfg: JobConfig, key: str, value) -> None:
+    *parents, leaf = key.split(".")
+    obj = cfg
+    for part in parents:
+        obj = getattr(obj, part)
+    setattr(obj, leaf, value)
+
+
+def _flatten_toml(data: dict, prefix: str = "") -> dict:
+    flat = {}
+    for k, v in data.items():
+        if isinstance(v, dict):
+            flat.update(_flatten_toml(v, f"{prefix}{k}."))
+        else:
+            flat[f"{prefix}{k}"] = v
+    return flat
+
+
+def _build_parser(fields: dict) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="train.py",
+        description="TorchDiTan trainer. Every TOML key can be given as --section.key VALUE (CLI > TOML > default).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    groups = {}
+    for key, (f, ftype, owner) in fields.items():
+        section = key.rsplit(".", 1)[0]
+        if section not in groups:
+            groups[section] = parser.add_argument_group(f"[{section}]")
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        doc = _field_docs(owner).get(f.name, "")
+        type_name = "list" if typing.get_origin(ftype) is list else ftype.__name__
+        groups[section].add_argument(f"--{key}", dest=key, default=None, metavar=type_name.upper(),
+                                     help=f"{doc} (default: {default!r})")  # fmt: skip
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> JobConfig:
+    """Builds a JobConfig from `--job.config_file` TOML and `--section.key value` overrides.
+
+    Raises:
+        ConfigError: unknown section/key, wrong type or impossible value; the message names key and file.
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    fields = {key: (f, ftype, owner) for key, f, ftype, owner in _leaf_fields(JobConfig)}
+    parser = _build_parser(fields)
+    unknown = [a.split("=")[0] for a in argv if a.startswith("--") and a.split("=")[0][2:] not in fields]
+    unknown = [a for a in unknown if a not in ("--help", "-h")]
+    if unknown:
+        raise ConfigError(f"unknown option {unknown[0]} on the command line (keys look like --training.steps)")
+    args = parser.parse_args(argv)
+    cfg = JobConfig()
+    config_file = getattr(args, "job.config_file") or ""
+    if config_file:
+        path = Path(config_file)
+        if not path.is_file():
+            raise ConfigError(f"job.config_file: {config_file} does not exist")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{config_file} is not valid TOML: {e}") from e
+        for key, value in _flatten_toml(data).items():
+            if key not in fields:
+                section = key.rsplit(".", 1)[0] if "." in key else key
+                known_sections = {k.rsplit(".", 1)[0] for k in fields}
+                what = "key" if section in known_sections else "section"
+                raise ConfigError(f"unknown {what} '{key}' in {config_file}")
+            _set(cfg, key, _convert(value, fields[key][1], key, config_file))
+    for key in fields:
+        value = getattr(args, key)
+        if value is not None:
+            _set(cfg, key, _convert(value, fields[key][1], key, "the command line"))
+    cfg.job.config_file = config_file
+    validate(cfg, source=config_file or "the defaults")
+    return cfg
+
+
+def _choice(cfg: JobConfig, key: str, allowed: tuple, source: str) -> None:
+    obj = cfg
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    if obj not in allowed:
+        raise ConfigError(f"{key} = {obj!r} in {source}: must be one of {list(allowed)}")
+
+
+def validate(cfg: JobConfig, source: str) -> None:
+    """Checks values that need no world size; data-parallel checks run in check_batch_sizes()."""
+    from torchtitan.train_spec import get_train_spec
+
+    spec = get_train_spec(cfg.model.name) if cfg.model.name == "dit" else None
+    if spec is not None and cfg.model.flavor not in spec.model_args:
+        raise ConfigError(f"model.flavor = {cfg.model.flavor!r} in {source}: known flavors {sorted(spec.model_args)}")
+    choices = {
+        "diffusion.objective": ("ddpm", "rectified_flow"),
+        "diffusion.timestep_sampling": ("uniform", "logit_normal"),
+        "diffusion.noise_schedule": ("linear", "cosine"),
+        "optimizer.name": ("AdamW",),
+        "optimizer.implementation": ("fused", "foreach", "for-loop"),
+        "lr_scheduler.decay_type": ("linear", "cosine", "sqrt"),
+        "training.dataset": ("digits", "dummy", "imagefolder", "cifar10", "latents"),
+        "training.mixed_precision_param": ("bfloat16", "float32"),
+        "training.mixed_precision_reduce": ("float32", "bfloat16"),
+        "parallelism.fsdp_reshard_after_forward": ("default", "always", "never"),
+        "checkpoint.async_mode": ("disabled", "async"),
+        "checkpoint.export_dtype": ("float32", "bfloat16"),
+        "activation_checkpoint.mode": ("none", "full", "selective"),
+        "sampling.sampler": ("default", "ddim", "euler", "heun"),
+        "latent.tokenizer": ("", "cosmos_jit", "diffusers"),
+        "dp.mode": ("vanilla", "ghost", "flash", "bookkeeping", "flash_bookkeeping"),
+        "dp.accountant": ("rdp", "prv"),
+        "dp.sampling": ("poisson", "shuffle"),
+        "model.pos_embed": ("", "rope2d", "sincos", "learned"),
+        "model.norm": ("", "layernorm", "rmsnorm"),
+        "model.mlp": ("", "gelu", "swiglu"),
+        "model.qk_norm": ("", "true", "false"),
+        "model.learn_sigma": ("", "true", "false"),
+    }
+    for key, allowed in choices.items():
+        _choice(cfg, key, allowed, source)
+    prediction = {"ddpm": "epsilon", "rectified_flow": "velocity"}[cfg.diffusion.objective]
+    if cfg.diffusion.prediction != prediction:
+        raise ConfigError(
+            f"diffusion.prediction = {cfg.diffusion.prediction!r} in {source}: "
+            f"objective {cfg.diffusion.objective!r} predicts {prediction!r}"
+        )
+    positive = ("training.local_batch_size", "training.steps", "metrics.log_freq", "checkpoint.interval",
+                "diffusion.num_timesteps", "sampling.steps", "sampling.num_samples", "dp.augmult")  # fmt: skip
+    for key in positive:
+        obj = cfg
+        for part in key.split("."):
+            obj = getattr(obj, part)
+        if obj <= 0:
+            raise ConfigError(f"{key} = {obj} in {source}: must be > 0")
+    if not 0.0 <= cfg.training.ema_decay < 1.0:
+        raise ConfigError(f"training.ema_decay = {cfg.training.ema_decay} in {source}: must be in [0, 1)")
+    if not 0.0 <= cfg.diffusion.class_dropout_prob < 1.0:
+        raise ConfigError(
+            f"diffusion.class_dropout_prob = {cfg.diffusion.class_dropout_prob} in {source}: must be in [0, 1)"
+        )
+    if cfg.optimizer.lr <= 0:
+        raise ConfigError(f"optimizer.lr = {cfg.optimizer.lr} in {source}: must be > 0")
+    if not 0.0 <= cfg.lr_scheduler.decay_ratio <= 1.0:
+        raise ConfigError(f"lr_scheduler.decay_ratio = {cfg.lr_scheduler.decay_ratio} in {source}: must be in [0, 1]")
+    if cfg.training.dataset in ("imagefolder", "cifar10", "latents") and not cfg.training.dataset_path:
+        raise ConfigError(f"training.dataset_path is empty in {source}: dataset {cfg.training.dataset!r} needs one")
+    option = cfg.activation_checkpoint.selective_ac_option
+    if option != "op" and not (option.isdigit() and int(option) > 0):
+        raise ConfigError(
+            f"activation_checkpoint.selective_ac_option = {option!r} in {source}: must be 'op' or a positive integer"
+        )
+    for degree_key in ("data_parallel_replicate_degree", "data_parallel_shard_degree"):
+        degree = getattr(cfg.parallelism, degree_key)
+        if degree == 0 or degree < -1:
+            raise ConfigError(f"parallelism.{degree_key} = {degree} in {source}: must be -1 or >= 1")
+    if cfg.checkpoint.keep_latest_k < 0:
+        raise ConfigError(f"checkpoint.keep_latest_k = {cfg.checkpoint.keep_latest_k} in {source}: must be >= 0")
+
+
+def check_batch_sizes(cfg: JobConfig, dp_degree: int) -> int:
+    """Returns the gradient accumulation steps; raises if the global batch cannot be split.
+
+    Args:
+        cfg: the job config.
+        dp_degree: number of data-parallel ranks (replicate x shard).
+    """
+    source = cfg.job.config_file or "the defaults"
+    local, global_ = cfg.training.local_batch_size, cfg.training.global_batch_size
+    if global_ == -1:
+        return 1
+    per_micro = local * dp_degree
+    if global_ <= 0 or global_ % per_micro != 0:
+        raise ConfigError(
+            f"training.global_batch_size = {global_} in {source} is not divisible by "
+            f"training.local_batch_size x data-parallel degree = {local} x {dp_degree} = {per_micro}"
+        )
+    return global_ // per_micro
+
+
+def to_toml(cfg: JobConfig) -> str:
+    """Serializes the resolved config as TOML (sections mirror the dataclasses)."""
+    lines: list[str] = []
+
+    def emit(obj, prefix: str) -> None:
+        scalars, nested = [], []
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            (nested if dataclasses.is_dataclass(value) else scalars).append((f.name, value))
+        if scalars:
+            lines.append(f"[{prefix}]")
+            for name, value in scalars:
+                lines.append(f"{name} = {_toml_value(value)}")
+            lines.append("")
+        for name, value in nested:
+            emit(value, f"{prefix}.{name}" if prefix else name)
+
+    for f in dataclasses.fields(cfg):
+        emit(getattr(cfg, f.name), f.name)
+    return "\n".join(lines)
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return repr(value)

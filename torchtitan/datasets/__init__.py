@@ -1,0 +1,64 @@
+"""Datasets (digits, dummy, image folder, CIFAR-10, latent shards) and the stateful distributed loader."""
+
+from torch.utils.data import Dataset
+
+from torchtitan.datasets.loader import DiffusionDataLoader
+
+__all__ = ["DiffusionDataLoader", "build_dataloader", "build_dataset"]
+
+
+def build_dataset(training_config, model_args) -> Dataset:
+    """The dataset named by `training.dataset`, checked against the model's input shape.
+
+    Raises:
+        FileNotFoundError: the dataset path is missing or empty (the message names it).
+        ValueError: the data's channels, size or classes disagree with the model.
+    """
+    name = training_config.dataset
+    size = training_config.image_size or model_args.input_size
+    if name == "digits":
+        from torchtitan.datasets.digits import DigitsDataset
+
+        dataset = DigitsDataset(size)
+    elif name == "dummy":
+        from torchtitan.datasets.dummy import DummyDataset
+
+        dataset = DummyDataset(model_args.in_channels, size, model_args.num_classes)
+    elif name == "imagefolder":
+        from torchtitan.datasets.imagefolder import ImageFolderDataset
+
+        dataset = ImageFolderDataset(training_config.dataset_path, size)
+    elif name == "cifar10":
+        from torchtitan.datasets.cifar10 import CIFAR10Dataset
+
+        dataset = CIFAR10Dataset(training_config.dataset_path)
+    elif name == "latents":
+        from torchtitan.datasets.latents import LatentShardDataset
+
+        dataset = LatentShardDataset(training_config.dataset_path)
+    else:
+        raise ValueError(f"training.dataset = {name!r} is not a known dataset")
+    _check_matches_model(name, dataset, model_args)
+    return dataset
+
+
+def _check_matches_model(name: str, dataset: Dataset, model_args) -> None:
+    image, _ = dataset[0]
+    expected = (model_args.in_channels, model_args.input_size, model_args.input_size)
+    if tuple(image.shape) != expected:
+        raise ValueError(
+            f"training.dataset {name!r} yields {tuple(image.shape)} (C, H, W) but the model expects {expected} "
+            "(model.in_channels, model.input_size)"
+        )
+    classes = getattr(dataset, "num_classes", None)
+    if classes is not None and model_args.num_classes not in (0, classes):
+        raise ValueError(
+            f"training.dataset {name!r} has {classes} classes but model.num_classes = {model_args.num_classes}"
+        )
+
+
+def build_dataloader(training_config, model_args, dp_rank: int, dp_world: int, seed: int) -> DiffusionDataLoader:
+    dataset = build_dataset(training_config, model_args)
+    return DiffusionDataLoader(
+        dataset, training_config.local_batch_size, dp_rank, dp_world, seed, training_config.dataloader
+    )

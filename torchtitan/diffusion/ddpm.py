@@ -1,0 +1,143 @@
+"""DDPM with epsilon prediction (Ho et al.), optional learned variance (iDDPM), DDIM sampling.
+
+Follows DiT's setup: linear betas over 1000 steps; with learned sigma the model also outputs
+the log-variance interpolation and the loss adds the variational bound term with a frozen mean.
+"""
+
+import math
+from collections.abc import Callable
+
+import torch
+
+ModelFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+def _betas(schedule: str, num_timesteps: int) -> torch.Tensor:
+    if schedule == "linear":
+        scale = 1000 / num_timesteps  # keeps the schedule's endpoints for other step counts, as ADM
+        return torch.linspace(scale * 1e-4, scale * 0.02, num_timesteps, dtype=torch.float64)
+    # Cosine schedule (Nichol & Dhariwal), betas capped at 0.999.
+    steps = torch.arange(num_timesteps + 1, dtype=torch.float64) / num_timesteps
+    alpha_bar = torch.cos((steps + 0.008) / 1.008 * math.pi / 2) ** 2
+    return (1 - alpha_bar[1:] / alpha_bar[:-1]).clamp(max=0.999)
+
+
+def _normal_kl(mean1, logvar1, mean2, logvar2):
+    return 0.5 * (-1.0 + logvar2 - logvar1 + torch.exp(logvar1 - logvar2) + (mean1 - mean2) ** 2 * torch.exp(-logvar2))
+
+
+def _discretized_gaussian_log_likelihood(x, means, log_scales):
+    """Log-likelihood of data in [-1, 1] discretized to 256 bins (ADM's decoder term at t = 0)."""
+
+    def cdf(v):  # fast approximation of the standard normal CDF
+        return 0.5 * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (v + 0.044715 * v**3)))
+
+    centered = x - means
+    inv_stdv = torch.exp(-log_scales)
+    cdf_plus = cdf(inv_stdv * (centered + 1.0 / 255.0))
+    cdf_min = cdf(inv_stdv * (centered - 1.0 / 255.0))
+    log_cdf_plus = torch.log(cdf_plus.clamp(min=1e-12))
+    log_one_minus_cdf_min = torch.log((1.0 - cdf_min).clamp(min=1e-12))
+    log_probs = torch.where(
+        x < -0.999,
+        log_cdf_plus,
+        torch.where(x > 0.999, log_one_minus_cdf_min, torch.log((cdf_plus - cdf_min).clamp(min=1e-12))),
+    )
+    return log_probs
+
+
+class GaussianDiffusion:
+    """DDPM training loss (one value per sample) and DDIM sampling."""
+
+    def __init__(self, num_timesteps: int = 1000, schedule: str = "linear", learn_sigma: bool = False):
+        self.num_timesteps = num_timesteps
+        self.learn_sigma = learn_sigma
+        betas = _betas(schedule, num_timesteps)
+        alphas_cumprod = torch.cumprod(1.0 - betas, dim=0)
+        alphas_cumprod_prev = torch.cat([torch.ones(1, dtype=torch.float64), alphas_cumprod[:-1]])
+        posterior_variance = betas * (1.0 - alphas_cumprod_prev) / (1.0 - alphas_cumprod)
+        # Kept in float64 on CPU; gathered per batch and cast to float32 on the data's device.
+        self.table = {
+            "betas": betas,
+            "alphas_cumprod": alphas_cumprod,
+            "alphas_cumprod_prev": alphas_cumprod_prev,
+            "posterior_log_variance_clipped": torch.log(torch.cat([posterior_variance[1:2], posterior_variance[1:]])),
+            "posterior_mean_coef1": betas * alphas_cumprod_prev.sqrt() / (1.0 - alphas_cumprod),
+            "posterior_mean_coef2": (1.0 - alphas_cumprod_prev) * (1.0 - betas).sqrt() / (1.0 - alphas_cumprod),
+        }
+        self._device_tables: dict[torch.device, dict[str, torch.Tensor]] = {}
+
+    def _gather(self, name: str, t: torch.Tensor, ndim: int) -> torch.Tensor:
+        """table[name][t] as float32 on t's device, shaped (B, 1, ..., 1) to broadcast."""
+        if t.device not in self._device_tables:
+            self._device_tables[t.device] = {k: v.float().to(t.device) for k, v in self.table.items()}
+        return self._device_tables[t.device][name][t].view(-1, *([1] * (ndim - 1)))
+
+    def sample_timesteps(self, batch: int, device: torch.device, generator=None) -> torch.Tensor:
+        return torch.randint(0, self.num_timesteps, (batch,), device=device, generator=generator)
+
+    def training_losses(self, model: ModelFn, x0: torch.Tensor, y, t=None, noise=None):
+        """Per-sample loss (B,) and the timestep as a fraction of the schedule (B,).
+
+        Args:
+            model: called as model(x_t, t, y) -> (B, C or 2C, H, W).
+            x0: clean data (B, C, H, W).
+            y: labels (B,) or None.
+            t: integer timesteps (B,); drawn uniformly when None.
+            noise: the Gaussian noise (B, C, H, W); drawn when None.
+        """
+        if t is None:
+            t = self.sample_timesteps(x0.shape[0], x0.device)
+        if noise is None:
+            noise = torch.randn_like(x0)
+        x0, noise = x0.float(), noise.float()
+        ac = self._gather("alphas_cumprod", t, x0.ndim)
+        x_t = ac.sqrt() * x0 + (1 - ac).sqrt() * noise
+        out = model(x_t, t, y).float()
+        C = x0.shape[1]
+        eps_pred = out[:, :C]
+        loss = (noise - eps_pred).pow(2).flatten(1).mean(1)  # (B,)
+        if self.learn_sigma:
+            # Variational bound on the variance only: the mean's gradient flows through the MSE alone.
+            loss = loss + self._vb_term(eps_pred.detach(), out[:, C:], x0, x_t, t)
+        return loss, t.float() / self.num_timesteps
+
+    def _p_mean_logvar(self, eps: torch.Tensor, var_values: torch.Tensor | None, x_t: torch.Tensor, t: torch.Tensor):
+        nd = x_t.ndim
+        ac = self._gather("alphas_cumprod", t, nd)
+        pred_x0 = (x_t - (1 - ac).sqrt() * eps) / ac.sqrt()
+        mean = self._gather("posterior_mean_coef1", t, nd) * pred_x0 + self._gather("posterior_mean_coef2", t, nd) * x_t
+        min_log = self._gather("posterior_log_variance_clipped", t, nd)
+        if var_values is None:
+            return mean, min_log, pred_x0
+        max_log = torch.log(self._gather("betas", t, nd))
+        frac = (var_values + 1) / 2  # the model outputs [-1, 1]; interpolate between the two bounds (iDDPM)
+        return mean, frac * max_log + (1 - frac) * min_log, pred_x0
+
+    def _vb_term(self, eps, var_values, x0, x_t, t):
+        nd = x0.ndim
+        true_mean = self._gather("posterior_mean_coef1", t, nd) * x0 + self._gather("posterior_mean_coef2", t, nd) * x_t
+        true_logvar = self._gather("posterior_log_variance_clipped", t, nd)
+        mean, logvar, _ = self._p_mean_logvar(eps, var_values, x_t, t)
+        kl = _normal_kl(true_mean, true_logvar, mean, logvar).flatten(1).mean(1) / math.log(2.0)
+        nll = -_discretized_gaussian_log_likelihood(x0, mean, 0.5 * logvar).flatten(1).mean(1) / math.log(2.0)
+        return torch.where(t == 0, nll, kl)
+
+    @torch.no_grad()
+    def ddim_sample(self, model: ModelFn, noise: torch.Tensor, y, steps: int = 50, clip_denoised: bool = False):
+        """Deterministic DDIM (eta = 0) from noise over `steps` evenly spaced timesteps."""
+        x = noise.float()
+        C = x.shape[1]
+        timesteps = torch.linspace(self.num_timesteps - 1, 0, steps).round().long().unique_consecutive()
+        ac_all = self.table["alphas_cumprod"].float()
+        for i, t_int in enumerate(timesteps.tolist()):
+            t = torch.full((x.shape[0],), t_int, device=x.device, dtype=torch.long)
+            eps = model(x, t, y).float()[:, :C]
+            a_t = ac_all[t_int].item()
+            a_prev = ac_all[timesteps[i + 1]].item() if i + 1 < len(timesteps) else 1.0
+            x0 = (x - math.sqrt(1 - a_t) * eps) / math.sqrt(a_t)
+            if clip_denoised:
+                x0 = x0.clamp(-1, 1)
+                eps = (x - math.sqrt(a_t) * x0) / math.sqrt(1 - a_t)
+            x = math.sqrt(a_prev) * x0 + math.sqrt(1 - a_prev) * eps
+        return x

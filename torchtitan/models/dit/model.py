@@ -1,0 +1,322 @@
+"""Diffusion Transformer (DiT), after Peebles & Xie, "Scalable Diffusion Models with Transformers".
+
+A plain nn.Module: no parallelism, DP, logging or config objects here.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchtitan.models.dit.rope import apply_rope, build_rope_2d
+
+
+@dataclass
+class DiTArgs:
+    """Architecture of one DiT; flavors in `dit_configs` fill these in."""
+
+    input_size: int = 32  # spatial size of the model input (pixels or latent cells)
+    in_channels: int = 4
+    patch_size: int = 2
+    dim: int = 1152
+    depth: int = 28
+    num_heads: int = 16
+    mlp_ratio: float = 4.0
+    num_classes: int = 1000  # 0: unconditional
+    learn_sigma: bool = True  # output 2 * in_channels: epsilon and the variance interpolation
+    pos_embed: str = "rope2d"  # "rope2d" | "sincos" | "learned"
+    norm: str = "layernorm"  # "layernorm" | "rmsnorm"
+    mlp: str = "gelu"  # "gelu" | "swiglu"
+    qk_norm: bool = False
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    multiple_of: int = 256  # SwiGLU hidden size rounding, as in Llama
+
+    @property
+    def out_channels(self) -> int:
+        return 2 * self.in_channels if self.learn_sigma else self.in_channels
+
+    @property
+    def num_tokens(self) -> int:
+        return (self.input_size // self.patch_size) ** 2
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.num_heads
+
+    @property
+    def mlp_hidden_dim(self) -> int:
+        hidden = int(self.dim * self.mlp_ratio)
+        if self.mlp == "swiglu":
+            # Llama's 2/3 rule keeps SwiGLU's parameter count equal to a GELU MLP.
+            hidden = int(2 * hidden / 3)
+            hidden = self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+        return hidden
+
+    def validate(self) -> None:
+        if self.input_size % self.patch_size != 0:
+            raise ValueError(f"input_size {self.input_size} is not divisible by patch_size {self.patch_size}")
+        if self.dim % self.num_heads != 0:
+            raise ValueError(f"dim {self.dim} is not divisible by num_heads {self.num_heads}")
+        if self.pos_embed == "rope2d" and self.head_dim % 4 != 0:
+            raise ValueError(f"rope2d needs head_dim divisible by 4, got {self.head_dim}")
+        for name, value, allowed in (
+            ("pos_embed", self.pos_embed, ("rope2d", "sincos", "learned")),
+            ("norm", self.norm, ("layernorm", "rmsnorm")),
+            ("mlp", self.mlp, ("gelu", "swiglu")),
+        ):
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+
+
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+
+
+def build_norm(kind: str, dim: int, eps: float, affine: bool) -> nn.Module:
+    if kind == "rmsnorm":
+        return nn.RMSNorm(dim, eps=eps, elementwise_affine=affine)
+    return nn.LayerNorm(dim, eps=eps, elementwise_affine=affine)
+
+
+def timestep_frequencies(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
+    """Sinusoidal timestep features (B,) -> (B, dim), as in DiT/ADM."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, device=t.device, dtype=torch.float32) / half)
+    args = t.float()[:, None] * freqs[None]
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+def sincos_pos_embed_2d(dim: int, grid: int) -> torch.Tensor:
+    """Fixed 2D sin-cos position embedding (T, dim), as in MAE/DiT."""
+    quarter = dim // 4
+    omega = 1.0 / 10000 ** (torch.arange(quarter, dtype=torch.float64) / quarter)
+    coords = torch.arange(grid, dtype=torch.float64)
+    rr, cc = torch.meshgrid(coords, coords, indexing="ij")
+    out = []
+    for pos in (cc.reshape(-1), rr.reshape(-1)):
+        angles = pos[:, None] * omega[None]
+        out += [angles.sin(), angles.cos()]
+    return torch.cat(out, dim=1).float()
+
+
+class PatchEmbed(nn.Module):
+    """(B, C, H, W) -> (B, T, D) by a strided convolution, one token per patch."""
+
+    def __init__(self, in_channels: int, dim: int, patch_size: int):
+        super().__init__()
+        self.proj = nn.Conv2d(in_channels, dim, kernel_size=patch_size, stride=patch_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x).flatten(2).transpose(1, 2)  # (B, T, D)
+
+
+class LearnedPosEmbed(nn.Module):
+    """A learned absolute position table added to the tokens."""
+
+    def __init__(self, num_tokens: int, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(1, num_tokens, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.weight
+
+
+class TimestepEmbedder(nn.Module):
+    def __init__(self, dim: int, freq_dim: int = 256):
+        super().__init__()
+        self.freq_dim = freq_dim
+        self.mlp = nn.Sequential(nn.Linear(freq_dim, dim), nn.SiLU(), nn.Linear(dim, dim))
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        freqs = timestep_frequencies(t, self.freq_dim).to(self.mlp[0].weight.dtype)
+        return self.mlp(freqs)
+
+
+class LabelEmbedder(nn.Module):
+    """Class labels -> vectors; the extra row `num_classes` is CFG's null class."""
+
+    def __init__(self, num_classes: int, dim: int):
+        super().__init__()
+        self.embedding_table = nn.Embedding(num_classes + 1, dim)
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        return self.embedding_table(y)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: DiTArgs):
+        super().__init__()
+        self.num_heads = args.num_heads
+        self.qkv = nn.Linear(args.dim, 3 * args.dim)
+        self.proj = nn.Linear(args.dim, args.dim)
+        if args.qk_norm:
+            self.q_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps)
+            self.k_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
+        B, T, D = x.shape
+        qkv = self.qkv(x).view(B, T, 3, self.num_heads, D // self.num_heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, nh, T, hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
+        out = F.scaled_dot_product_attention(q, k, v)  # non-causal: every patch sees every patch
+        return self.proj(out.transpose(1, 2).reshape(B, T, D))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: DiTArgs):
+        super().__init__()
+        self.kind = args.mlp
+        hidden = args.mlp_hidden_dim
+        self.fc1 = nn.Linear(args.dim, 2 * hidden if self.kind == "swiglu" else hidden)
+        self.fc2 = nn.Linear(hidden, args.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        if self.kind == "swiglu":
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate="tanh")
+        return self.fc2(h)
+
+
+class DiTBlock(nn.Module):
+    """Transformer block with adaLN-Zero conditioning (DiT paper, Fig. 3)."""
+
+    def __init__(self, args: DiTArgs):
+        super().__init__()
+        self.norm1 = build_norm(args.norm, args.dim, args.norm_eps, affine=False)
+        self.attn = Attention(args)
+        self.norm2 = build_norm(args.norm, args.dim, args.norm_eps, affine=False)
+        self.mlp = FeedForward(args)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(args.dim, 6 * args.dim))
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c).chunk(6, dim=-1)
+        x = x + gate_msa.unsqueeze(1) * self.attn(modulate(self.norm1(x), shift_msa, scale_msa), rope)
+        x = x + gate_mlp.unsqueeze(1) * self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp))
+        return x
+
+
+class FinalLayer(nn.Module):
+    def __init__(self, args: DiTArgs):
+        super().__init__()
+        self.norm_final = build_norm(args.norm, args.dim, args.norm_eps, affine=False)
+        self.linear = nn.Linear(args.dim, args.patch_size**2 * args.out_channels)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(args.dim, 2 * args.dim))
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        shift, scale = self.adaLN_modulation(c).chunk(2, dim=-1)
+        return self.linear(modulate(self.norm_final(x), shift, scale))
+
+
+class DiT(nn.Module):
+    """DiT: patchify -> blocks conditioned on (timestep, class) -> unpatchify."""
+
+    def __init__(self, args: DiTArgs):
+        super().__init__()
+        args.validate()
+        self.args = args
+        self.x_embedder = PatchEmbed(args.in_channels, args.dim, args.patch_size)
+        self.t_embedder = TimestepEmbedder(args.dim)
+        self.y_embedder = LabelEmbedder(args.num_classes, args.dim) if args.num_classes > 0 else None
+        grid = args.input_size // args.patch_size
+        self.pos_embed = LearnedPosEmbed(args.num_tokens, args.dim) if args.pos_embed == "learned" else None
+        # Buffers are recomputed by init_weights(), so they survive a meta-device build.
+        self.register_buffer("sincos", torch.empty(args.num_tokens, args.dim), persistent=False)
+        self.register_buffer("rope", torch.empty(args.num_tokens, args.head_dim // 2, 2), persistent=False)
+        self.grid = grid
+        # A ModuleDict keyed by index, as TorchTitan does, so FQNs stay stable when blocks are wrapped.
+        self.blocks = nn.ModuleDict({str(i): DiTBlock(args) for i in range(args.depth)})
+        self.final_layer = FinalLayer(args)
+
+    def init_weights(self) -> None:
+        """Owns every initialization (DiT's initialize_weights), so a meta-built model can be materialized."""
+        with torch.no_grad():
+            # Xavier-uniform for every Linear, zero bias, as DiT.
+            for module in self.modules():
+                if isinstance(module, nn.Linear):
+                    nn.init.xavier_uniform_(module.weight)
+                    nn.init.zeros_(module.bias)
+                elif isinstance(module, nn.RMSNorm | nn.LayerNorm) and module.weight is not None:
+                    nn.init.ones_(module.weight)
+                    if getattr(module, "bias", None) is not None:
+                        nn.init.zeros_(module.bias)
+            # Patch embedding like a Linear on flattened patches.
+            w = self.x_embedder.proj.weight
+            nn.init.xavier_uniform_(w.view(w.shape[0], -1))
+            nn.init.zeros_(self.x_embedder.proj.bias)
+            if self.y_embedder is not None:
+                nn.init.normal_(self.y_embedder.embedding_table.weight, std=0.02)
+            nn.init.normal_(self.t_embedder.mlp[0].weight, std=0.02)
+            nn.init.normal_(self.t_embedder.mlp[2].weight, std=0.02)
+            if self.pos_embed is not None:
+                nn.init.normal_(self.pos_embed.weight, std=0.02)
+            # Zero-out adaLN modulation: every block starts as the identity (adaLN-Zero).
+            for block in self.blocks.values():
+                nn.init.zeros_(block.adaLN_modulation[-1].weight)
+                nn.init.zeros_(block.adaLN_modulation[-1].bias)
+            # Zero-out the output layer: the model predicts 0 at init.
+            nn.init.zeros_(self.final_layer.adaLN_modulation[-1].weight)
+            nn.init.zeros_(self.final_layer.adaLN_modulation[-1].bias)
+            nn.init.zeros_(self.final_layer.linear.weight)
+            nn.init.zeros_(self.final_layer.linear.bias)
+            self.init_buffers()
+
+    def init_buffers(self) -> None:
+        """(Re)computes the non-persistent position buffers on the model's device."""
+        args = self.args
+        device = self.sincos.device
+        self.sincos = sincos_pos_embed_2d(args.dim, self.grid).to(device)
+        self.rope = build_rope_2d(args.head_dim, self.grid, self.grid, args.rope_theta).to(device)
+
+    def unpatchify(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, p*p*C) -> (B, C, H, W)."""
+        p, c, g = self.args.patch_size, self.args.out_channels, self.grid
+        x = x.view(x.shape[0], g, g, p, p, c)
+        x = torch.einsum("nhwpqc->nchpwq", x)
+        return x.reshape(x.shape[0], c, g * p, g * p)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        """x: (B, C, H, W), t: (B,) timesteps, y: (B,) labels (num_classes = null) -> (B, C_out, H, W)."""
+        h = self.x_embedder(x)  # (B, T, D)
+        if self.args.pos_embed == "sincos":
+            h = h + self.sincos.to(h.dtype)
+        elif self.pos_embed is not None:
+            h = self.pos_embed(h)
+        rope = self.rope if self.args.pos_embed == "rope2d" else None
+        c = self.t_embedder(t)  # (B, D)
+        if self.y_embedder is not None:
+            c = c + self.y_embedder(y)
+        for block in self.blocks.values():
+            h = block(h, c, rope)
+        h = self.final_layer(h, c)  # (B, T, p*p*C_out)
+        return self.unpatchify(h)
+
+
+def flops_per_image(args: DiTArgs) -> float:
+    """Training FLOPs for one image: matmuls + attention, forward x 3 (forward + backward).
+
+    Counts 2 FLOPs per multiply-add of every matmul in the blocks, the patch embedding and
+    the final layer, plus attention's two T x T products; the per-image conditioning MLPs are
+    counted once per image. Norms and pointwise ops are left out, as in PaLM's MFU.
+    """
+    D, T, L = args.dim, args.num_tokens, args.depth
+    p2c_in = args.patch_size**2 * args.in_channels
+    fc1_out = 2 * args.mlp_hidden_dim if args.mlp == "swiglu" else args.mlp_hidden_dim
+    per_token_block = 3 * D * D + D * D + D * fc1_out + args.mlp_hidden_dim * D  # qkv, proj, fc1, fc2
+    attention = 2 * T * T * D  # scores (Q K^T) and (P V), per block
+    per_image_block = 6 * D * D  # adaLN modulation on the (B, D) conditioning
+    fwd = L * (2 * T * per_token_block + 2 * attention + 2 * per_image_block)
+    fwd += 2 * T * p2c_in * D  # patch embedding
+    fwd += 2 * T * D * args.patch_size**2 * args.out_channels + 2 * 2 * D * D  # final linear + adaLN
+    fwd += 2 * (256 * D + D * D)  # timestep MLP
+    return 3.0 * fwd

@@ -1,0 +1,48 @@
+"""parallelize_dit: activation checkpointing -> compile -> FSDP/HSDP or DDP, in that order.
+
+The order matters: AC wraps the plain block, compile then traces the wrapped block (so the
+recomputation is compiled too), and FSDP shards last so its hooks sit outside the compiled code.
+"""
+
+from torch import nn
+
+from torchtitan.parallelisms.parallel_dims import ParallelDims
+from torchtitan.parallelisms.utils import (
+    apply_ac,
+    apply_compile,
+    apply_ddp,
+    apply_float8,
+    apply_fsdp,
+    torch_dtype,
+)
+from torchtitan.tools.logging import logger
+
+
+def parallelize_dit(model: nn.Module, parallel_dims: ParallelDims, job_config) -> nn.Module:
+    """Applies the config's training optimizations and data parallelism to a DiT in place."""
+    if job_config.quantize.linear.float8.enable:
+        apply_float8(model, job_config.quantize.linear.float8)
+    ac = job_config.activation_checkpoint
+    if ac.mode != "none":
+        apply_ac(model.blocks, ac.mode, ac.selective_ac_option)
+    if job_config.compile.enable and "model" in job_config.compile.components:
+        apply_compile(model.blocks)
+    if parallel_dims.fsdp_enabled:
+        apply_fsdp(
+            model,
+            blocks=list(model.blocks.values()),
+            mesh=parallel_dims.fsdp_mesh(),
+            param_dtype=torch_dtype(job_config.training.mixed_precision_param),
+            reduce_dtype=torch_dtype(job_config.training.mixed_precision_reduce),
+            reshard_after_forward=job_config.parallelism.fsdp_reshard_after_forward,
+        )
+        logger.info(f"applied {parallel_dims.mode.upper()} to the model")
+    elif parallel_dims.ddp_enabled:
+        apply_ddp(model, parallel_dims.mesh["dp_replicate"], compiled=job_config.compile.enable)
+        logger.info("applied DDP (replicate) to the model")
+    return model
+
+
+def uses_fsdp_mixed_precision(parallel_dims: ParallelDims, job_config) -> bool:
+    """FSDP casts parameters itself; single-device and DDP runs use autocast instead."""
+    return parallel_dims.fsdp_enabled and job_config.training.mixed_precision_param != "float32"

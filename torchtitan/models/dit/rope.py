@@ -1,0 +1,42 @@
+"""2D rotary position embedding for image tokens.
+
+Half of each head's rotary pairs encode the token's row, the other half its
+column, as in 2D RoPE variants used by FiT/Lumina-style DiTs. Attention scores
+then depend only on the relative offset between two tokens.
+"""
+
+import torch
+
+
+def build_rope_2d(
+    head_dim: int, grid_h: int, grid_w: int, theta: float = 10000.0, offset: tuple[int, int] = (0, 0)
+) -> torch.Tensor:
+    """Returns (T, head_dim // 2, 2) cos/sin table for a grid_h x grid_w token grid.
+
+    Args:
+        head_dim: attention head size; must be divisible by 4 (two axes, pairs).
+        grid_h: number of token rows.
+        grid_w: number of token columns.
+        theta: RoPE base frequency.
+        offset: (row, col) added to every position; used by the relative-position test.
+    """
+    if head_dim % 4 != 0:
+        raise ValueError(f"2D RoPE needs head_dim divisible by 4, got {head_dim}")
+    quarter = head_dim // 4
+    freqs = 1.0 / (theta ** (torch.arange(quarter, dtype=torch.float64) / quarter))  # (hd/4,)
+    rows = torch.arange(grid_h, dtype=torch.float64) + offset[0]
+    cols = torch.arange(grid_w, dtype=torch.float64) + offset[1]
+    rr, cc = torch.meshgrid(rows, cols, indexing="ij")  # (H, W)
+    angle_r = rr.reshape(-1, 1) * freqs  # (T, hd/4)
+    angle_c = cc.reshape(-1, 1) * freqs  # (T, hd/4)
+    angles = torch.cat([angle_r, angle_c], dim=-1)  # (T, hd/2)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1).float()  # (T, hd/2, 2)
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotates consecutive pairs of x's last dim. x: (B, nh, T, hd), rope: (T, hd/2, 2)."""
+    x_pairs = x.float().unflatten(-1, (-1, 2))  # (B, nh, T, hd/2, 2)
+    x0, x1 = x_pairs.unbind(-1)
+    cos, sin = rope[..., 0], rope[..., 1]  # (T, hd/2)
+    out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
+    return out.flatten(-2).type_as(x)

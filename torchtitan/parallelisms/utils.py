@@ -1,0 +1,114 @@
+"""apply_* helpers shared by every model's parallelize function; each changes a module in place."""
+
+from collections import defaultdict
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from torchtitan.tools.logging import logger
+
+# Ops whose outputs selective AC keeps: the matmuls and attention (expensive to recompute);
+# everything else (norms, modulation, activations, RoPE) is cheap pointwise work, recomputed.
+_SAVE_LIST = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten.convolution.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_mm.default,
+}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def _op_policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE_LIST else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_op_context():
+    return create_selective_checkpoint_contexts(_op_policy)
+
+
+def apply_ac(blocks: nn.ModuleDict, mode: str, selective_option: str) -> None:
+    """Wraps blocks in activation checkpointing: all ('full'), per-op policy ('selective', 'op'),
+    or every k-th block ('selective', k)."""
+    every_k = int(selective_option) if mode == "selective" and selective_option != "op" else 1
+    wrapped = 0
+    for index, (name, block) in enumerate(list(blocks.items())):
+        if index % every_k != 0:
+            continue
+        if mode == "selective" and selective_option == "op":
+            blocks[name] = checkpoint_wrapper(block, context_fn=_selective_op_context, preserve_rng_state=False)
+        else:
+            blocks[name] = checkpoint_wrapper(block, preserve_rng_state=False)
+        wrapped += 1
+    logger.info(f"activation checkpointing: {mode} ({selective_option if mode == 'selective' else 'all'}), "
+                f"{wrapped}/{len(blocks)} blocks")  # fmt: skip
+
+
+def apply_compile(blocks: nn.ModuleDict) -> None:
+    """torch.compile each block in place (fullgraph: a graph break is a bug, not a slowdown)."""
+    for block in blocks.values():
+        block.compile(fullgraph=True)
+    logger.info(f"compiled {len(blocks)} blocks with torch.compile(fullgraph=True)")
+
+
+def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, param_dtype: torch.dtype,
+               reduce_dtype: torch.dtype, reshard_after_forward: str) -> None:  # fmt: skip
+    """FSDP2 fully_shard per block, then the root (HSDP when the mesh is 2D)."""
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for index, block in enumerate(blocks):
+        if reshard_after_forward == "default":
+            # The last block's parameters are needed again right away by backward: keep them gathered.
+            reshard = index < len(blocks) - 1
+        else:
+            reshard = reshard_after_forward == "always"
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward == "always")
+
+
+def apply_ddp(model: nn.Module, mesh: DeviceMesh, compiled: bool) -> None:
+    """Composable DDP (replicate) over the replicate mesh."""
+    from torch.distributed._composable.replicate import replicate
+
+    if compiled:
+        torch._dynamo.config.optimize_ddp = "ddp_optimizer"
+    replicate(model, device_mesh=mesh, bucket_cap_mb=100)
+
+
+def apply_float8(model: nn.Module, float8_config) -> None:
+    """Swaps Linear layers for torchao float8 training layers, skipping filtered and small ones."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as e:
+        raise ImportError("quantize.linear.float8.enable needs torchao: pip install torchao") from e
+    if not float8_config.emulate and not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)):
+        raise ValueError("quantize.linear.float8.enable needs an SM89+ GPU; set quantize.linear.float8.emulate = true")
+    if float8_config.recipe_name == "tensorwise":
+        config = Float8LinearConfig(emulate=float8_config.emulate)
+    else:
+        config = Float8LinearConfig.from_recipe_name(float8_config.recipe_name)
+        config = type(config)(**{**config.__dict__, "emulate": float8_config.emulate})
+    skipped = defaultdict(int)
+
+    def module_filter(module: nn.Module, fqn: str) -> bool:
+        if any(name in fqn for name in float8_config.filter_fqns):
+            skipped["filtered"] += 1
+            return False
+        # float8 matmuls only pay off on large dims, and need multiples of 16.
+        if not isinstance(module, nn.Linear) or module.in_features % 16 or module.out_features % 16:
+            skipped["shape"] += 1
+            return False
+        return True
+
+    convert_to_float8_training(model, config=config, module_filter_fn=module_filter)
+    logger.info(f"float8 training ({float8_config.recipe_name}) on Linear layers; skipped {dict(skipped)}")

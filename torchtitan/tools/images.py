@@ -1,0 +1,29 @@
+"""Image grids: [-1, 1] tensors -> PNG."""
+
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+
+def save_image_grid(images: torch.Tensor, path: Path, nrow: int = 0) -> Path:
+    """Writes (N, C, H, W) images in [-1, 1] (C = 1 or 3) as one PNG grid with 2-pixel gaps."""
+    images = ((images.detach().float().cpu().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+    n, c, h, w = images.shape
+    if c not in (1, 3):
+        raise ValueError(f"cannot save {c}-channel images as PNG; decode latents first")
+    nrow = nrow or math.ceil(math.sqrt(n))
+    ncol = math.ceil(n / nrow)
+    pad = 2
+    grid = torch.zeros(c, ncol * (h + pad) + pad, nrow * (w + pad) + pad, dtype=torch.uint8)
+    for i in range(n):
+        r, col = divmod(i, nrow)
+        top, left = pad + r * (h + pad), pad + col * (w + pad)
+        grid[:, top : top + h, left : left + w] = images[i]
+    array = grid.permute(1, 2, 0).numpy()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(array[..., 0] if c == 1 else np.ascontiguousarray(array)).save(path)
+    return path

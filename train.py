@@ -1,0 +1,237 @@
+"""TorchDiTan trainer: build everything from the config, then loop over train_step().
+
+torchrun --nproc_per_node=N train.py --job.config_file train_configs/X.toml [--section.key value ...]
+"""
+
+import contextlib
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.ema import EMA
+from torchtitan.components.lr_scheduler import build_lr_scheduler
+from torchtitan.components.metrics import MetricsLogger, ThroughputMeter
+from torchtitan.components.optimizer import build_optimizer
+from torchtitan.components.profiling import Profiler
+from torchtitan.config_manager import ConfigError, JobConfig, check_batch_sizes, parse_args, to_toml
+from torchtitan.datasets import build_dataloader
+from torchtitan.diffusion import build_diffusion, sample_images
+from torchtitan.parallelisms.parallel_dims import ParallelDims
+from torchtitan.parallelisms.utils import torch_dtype
+from torchtitan.tools.images import save_image_grid
+from torchtitan.tools.logging import init_logger, logger
+from torchtitan.tools.utils import GarbageCollection, get_device, set_determinism
+from torchtitan.train_spec import build_model_args, get_train_spec
+
+
+class Trainer:
+    """Holds what the loop needs; `__init__` builds it all in a fixed order."""
+
+    def __init__(self, job_config: JobConfig):
+        self.job_config = cfg = job_config
+        self.device = get_device()
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        if self.world_size > 1 and not dist.is_initialized():
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+        p = cfg.parallelism
+        self.parallel_dims = ParallelDims(p.data_parallel_replicate_degree, p.data_parallel_shard_degree,
+                                          self.world_size)  # fmt: skip
+        self.parallel_dims.build_mesh(self.device.type)
+        self.dp_rank, self.dp_degree = self.parallel_dims.dp_rank(), self.parallel_dims.dp_degree
+        self.grad_accum_steps = check_batch_sizes(cfg, self.dp_degree)
+        self.global_batch = cfg.training.local_batch_size * self.dp_degree * self.grad_accum_steps
+        self.dump_folder = Path(cfg.job.dump_folder)
+        set_determinism(cfg.debug.seed, cfg.debug.deterministic)
+        self.gc = GarbageCollection(cfg.training.gc_freq)
+
+        self.train_spec = get_train_spec(cfg.model.name)
+        self.model_args = build_model_args(self.train_spec, cfg.model)
+        self.model = self.build_model()
+        self.diffusion = build_diffusion(cfg.diffusion, self.model_args.learn_sigma)
+        self.dataloader = build_dataloader(cfg.training, self.model_args, self.dp_rank, self.dp_degree,
+                                           cfg.debug.seed)  # fmt: skip
+        self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
+        self.ema = EMA(self.model, cfg.training.ema_decay, cfg.training.ema_warmup) if cfg.training.ema_decay else None
+        self.checkpointer = CheckpointManager(cfg.checkpoint, self.dump_folder, self.model, self.optimizer,
+                                              self.lr_scheduler, self.ema, self.dataloader, self.rank)  # fmt: skip
+        self.step = self.checkpointer.maybe_load()
+        self.metrics = MetricsLogger(cfg, self.dump_folder, self.rank)
+        flops = self.train_spec.flops_per_image_fn(self.model_args)
+        self.meter = ThroughputMeter(self.device, flops, self.global_batch, self.world_size)
+        self.profiler = Profiler(cfg.profiling, self.dump_folder, self.rank, self.device)
+        self.autocast = self.device.type == "cuda" and not self.parallel_dims.fsdp_enabled
+        self.autocast = self.autocast and cfg.training.mixed_precision_param == "bfloat16"
+        self.write_config()
+        logger.info(
+            f"{cfg.model.flavor}: {sum(p.numel() for p in self.model.parameters()):,} parameters, "
+            f"{flops / 1e9:.2f} GFLOP/image (train), {self.parallel_dims.mode} over {self.world_size} rank(s), "
+            f"global batch {self.global_batch} = {cfg.training.local_batch_size} x {self.dp_degree} "
+            f"x {self.grad_accum_steps} accumulation, device {self.device}"
+        )
+
+    def build_model(self) -> torch.nn.Module:
+        """Meta-device build, parallelize, then materialize and init_weights() on the device (sharded)."""
+        with torch.device("meta"):
+            model = self.train_spec.model_cls(self.model_args)
+        model = self.train_spec.parallelize_fn(model, self.parallel_dims, self.job_config)
+        model.to_empty(device=self.device)
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            torch.manual_seed(self.job_config.debug.seed)
+            model.init_weights()
+        model.train()
+        return model
+
+    def write_config(self) -> None:
+        name = self.job_config.job.save_config_file
+        if self.rank == 0 and name:
+            self.dump_folder.mkdir(parents=True, exist_ok=True)
+            (self.dump_folder / name).write_text(to_toml(self.job_config))
+        if self.job_config.job.print_config:
+            logger.info("resolved config:\n" + to_toml(self.job_config))
+
+    def step_randomness(self, step: int, micro: int, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Timesteps, noise and label-drop mask of this rank's samples for one micro-batch.
+
+        Drawn for the whole global micro-batch from a generator seeded by (seed, step), then sliced
+        by rank in the sampler's interleaved order, so a sample gets the same noise whatever the
+        number of ranks: 1 process and N processes at the same global batch see the same losses.
+        """
+        shape = (self.model_args.in_channels, self.model_args.input_size, self.model_args.input_size)
+        generator = torch.Generator(self.device).manual_seed(self.job_config.debug.seed * 1_000_003 + step)
+        world_micro = batch * self.dp_degree
+        total = world_micro * self.grad_accum_steps
+        t = self.diffusion.sample_timesteps(total, self.device, generator)
+        noise = torch.randn((total, *shape), device=self.device, generator=generator)
+        drop = torch.rand(total, device=self.device, generator=generator) < self.job_config.diffusion.class_dropout_prob
+        window = slice(micro * world_micro, (micro + 1) * world_micro)
+        return t[window][self.dp_rank :: self.dp_degree], noise[window][self.dp_rank :: self.dp_degree], \
+            drop[window][self.dp_rank :: self.dp_degree]  # fmt: skip
+
+    def forward_losses(self, x: torch.Tensor, y: torch.Tensor, step: int, micro: int):
+        t, noise, drop = self.step_randomness(step, micro, x.shape[0])
+        if self.model_args.num_classes > 0:
+            y = torch.where(drop, torch.full_like(y, self.model_args.num_classes), y)  # CFG's null class
+        else:
+            y = None
+        with torch.autocast(self.device.type, torch.bfloat16, enabled=self.autocast):
+            return self.diffusion.training_losses(self.model, x, y, t=t, noise=noise)
+
+    def train_step(self) -> dict:
+        """One optimizer step over grad_accum_steps micro-batches; returns tensors for logging."""
+        step = self.step  # the step being taken, counted from 0
+        loss_sum = torch.zeros((), device=self.device)
+        for micro in range(self.grad_accum_steps):
+            data_start = time.perf_counter()
+            x, y = next(self.dataloader)
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            self.meter.data_time += time.perf_counter() - data_start
+            losses, _ = self.forward_losses(x, y, step, micro)
+            # Sum over this rank / global batch: the data-parallel mean (DDP/FSDP) then gives the global mean.
+            (losses.sum() * self.dp_degree / self.global_batch).backward()
+            loss_sum += losses.detach().sum()
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        if self.job_config.training.max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, self.job_config.training.max_norm, grad_norm, foreach=True)
+        lr = self.lr_scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self.ema.update()
+        return {"loss_sum": loss_sum, "grad_norm": grad_norm, "lr": lr}
+
+    def log(self, out: dict) -> None:
+        loss_sum = out["loss_sum"].clone()
+        if dist.is_initialized():
+            dist.all_reduce(loss_sum, group=self.parallel_dims.dp_group())
+        metrics = {"loss": loss_sum.item() / self.global_batch, "grad_norm": out["grad_norm"].item(), "lr": out["lr"]}
+        metrics.update(self.meter.summary())
+        self.metrics.log(self.step, metrics)
+        self.meter.reset()
+
+    @torch.no_grad()
+    def generate_samples(self, num_samples: int, seed: int) -> torch.Tensor:
+        """A grid's worth of samples from fixed noise and fixed classes (EMA weights if kept)."""
+        args, s = self.model_args, self.job_config.sampling
+        generator = torch.Generator().manual_seed(seed)
+        noise = torch.randn(num_samples, args.in_channels, args.input_size, args.input_size, generator=generator)
+        y = torch.arange(num_samples) % args.num_classes if args.num_classes > 0 else None
+        noise, y = noise.to(self.device), (y.to(self.device) if y is not None else None)
+        with torch.autocast(self.device.type, torch.bfloat16, enabled=self.autocast):
+            return sample_images(self.diffusion, self.model, noise, y, s.steps, s.sampler, s.cfg_scale,
+                                 args.num_classes, clip_denoised=not self.job_config.latent.tokenizer)  # fmt: skip
+
+    def save_samples(self) -> None:
+        s = self.job_config.sampling
+        with self.ema.swapped_in() if self.ema is not None else contextlib.nullcontext():
+            images = self.generate_samples(s.num_samples, s.seed)
+        if self.job_config.latent.tokenizer:
+            from cosmos_latent_decoder import decode_for_training
+
+            images = decode_for_training(self.job_config, images)
+        if self.rank == 0:
+            path = save_image_grid(images, self.dump_folder / "samples" / f"step-{self.step}.png")
+            self.metrics.log_image(self.step, path)
+            logger.info(f"wrote samples {path}")
+
+    def train(self) -> None:
+        cfg = self.job_config
+        logger.info(f"training from step {self.step} to {cfg.training.steps}")
+        self.meter.reset()
+        while self.step < cfg.training.steps:
+            out = self.train_step()
+            self.step += 1
+            self.meter.steps += 1
+            self.gc.run(self.step)
+            last = self.step == cfg.training.steps
+            if self.step % cfg.metrics.log_freq == 0 or last:
+                self.log(out)
+            if cfg.sampling.freq > 0 and (self.step % cfg.sampling.freq == 0 or last):
+                self.save_samples()
+            if self.checkpointer.should_save(self.step, last):
+                self.checkpointer.save(self.step, last=last)
+            self.profiler.step(self.step)
+        self.checkpointer.wait()
+        if cfg.checkpoint.enable:
+            self.checkpointer.export_ema(self.dump_folder / "ema.safetensors", self.model_args,
+                                         torch_dtype(cfg.checkpoint.export_dtype))  # fmt: skip
+        logger.info("training done")
+
+    def close(self) -> None:
+        self.profiler.close()
+        self.metrics.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    init_logger()
+    try:
+        job_config = parse_args(argv)
+        trainer = Trainer(job_config)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        logger.error(f"config error: {e}")
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        trainer.train()
+    except torch.OutOfMemoryError:
+        trainer.profiler.dump_snapshot("oom")
+        raise
+    finally:
+        trainer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
