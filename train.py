@@ -47,6 +47,9 @@ class Trainer:
         self.grad_accum_steps = check_batch_sizes(cfg, self.dp_degree)
         self.global_batch = cfg.training.local_batch_size * self.dp_degree * self.grad_accum_steps
         self.dump_folder = Path(cfg.job.dump_folder)
+        if self.device.type == "cpu" and cfg.training.mixed_precision_param != "float32":
+            cfg.training.mixed_precision_param = "float32"  # bf16 matmuls on CPU are slow and not what GPUs do
+            logger.info("CPU run: training.mixed_precision_param set to float32")
         set_determinism(cfg.debug.seed, cfg.debug.deterministic)
         self.gc = GarbageCollection(cfg.training.gc_freq)
 
@@ -83,7 +86,12 @@ class Trainer:
         model = self.train_spec.parallelize_fn(model, self.parallel_dims, self.job_config)
         model.to_empty(device=self.device)
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            torch.manual_seed(self.job_config.debug.seed)
+            seed = self.job_config.debug.seed
+            if self.parallel_dims.fsdp_enabled and self.device.type == "cpu":
+                # DTensor's sharding-aware RNG is CUDA-only: seed each shard apart so shards differ.
+                # (Identical weights across parallelisms come from a seed checkpoint.)
+                seed += self.parallel_dims.dp_shard_rank()
+            torch.manual_seed(seed)
             model.init_weights()
         model.train()
         return model
@@ -186,6 +194,12 @@ class Trainer:
 
     def train(self) -> None:
         cfg = self.job_config
+        if cfg.checkpoint.create_seed_checkpoint:
+            if self.world_size != 1:
+                raise ValueError("checkpoint.create_seed_checkpoint runs on one process (no torchrun)")
+            self.checkpointer.save(0, last=True, model_only=True)
+            logger.info("wrote the seed checkpoint (step 0); exiting")
+            return
         logger.info(f"training from step {self.step} to {cfg.training.steps}")
         self.meter.reset()
         while self.step < cfg.training.steps:

@@ -213,6 +213,9 @@ class Checkpoint:
     """The final checkpoint holds model and EMA only."""
     export_dtype: str = "float32"
     """dtype of the EMA safetensors export ('float32' or 'bfloat16')."""
+    create_seed_checkpoint: bool = False
+    """Initialize on one process, save the weights as step-0 and exit; runs of any parallelism that
+    resume from it start from identical weights (TorchTitan's seed checkpoint)."""
 
 
 @dataclass
@@ -552,6 +555,8 @@ def validate(cfg: JobConfig, source: str) -> None:
         degree = getattr(cfg.parallelism, degree_key)
         if degree == 0 or degree < -1:
             raise ConfigError(f"parallelism.{degree_key} = {degree} in {source}: must be -1 or >= 1")
+    if cfg.checkpoint.create_seed_checkpoint and not cfg.checkpoint.enable:
+        raise ConfigError(f"checkpoint.create_seed_checkpoint in {source} needs checkpoint.enable = true")
     if cfg.checkpoint.keep_latest_k < 0:
         raise ConfigError(f"checkpoint.keep_latest_k = {cfg.checkpoint.keep_latest_k} in {source}: must be >= 0")
 

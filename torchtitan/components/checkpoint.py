@@ -86,7 +86,7 @@ class CheckpointManager:
     def should_save(self, step: int, last: bool) -> bool:
         return self.config.enable and (last or step % self.config.interval == 0)
 
-    def save(self, step: int, last: bool = False) -> None:
+    def save(self, step: int, last: bool = False, model_only: bool = False) -> None:
         self.wait()
         final = self.folder / f"step-{step}"
         staging = self.folder / f"step-{step}.tmp"
@@ -94,7 +94,7 @@ class CheckpointManager:
             shutil.rmtree(staging, ignore_errors=True)  # a leftover of a run killed mid-save
             staging.mkdir(parents=True, exist_ok=True)
         _barrier()
-        state = self._state(model_only=last and self.config.last_save_model_only)
+        state = self._state(model_only=model_only or (last and self.config.last_save_model_only))
         state["step"] = step
         start = time.perf_counter()
         if self.async_group is not None and not last:

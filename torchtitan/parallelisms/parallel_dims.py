@@ -17,6 +17,7 @@ class ParallelDims:
     dp_shard: int
     world_size: int
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
+    _dp_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         if self.dp_replicate < 1:
@@ -65,7 +66,8 @@ class ParallelDims:
         mesh = init_device_mesh(
             device_type, (self.dp_replicate, self.dp_shard), mesh_dim_names=("dp_replicate", "dp_shard")
         )
-        mesh[("dp_replicate", "dp_shard")]._flatten("dp")
+        # Kept here: slicing a flattened dim back out of the root mesh is deprecated.
+        self._dp_mesh = mesh[("dp_replicate", "dp_shard")]._flatten("dp")
         self._mesh = mesh
         return mesh
 
@@ -76,7 +78,7 @@ class ParallelDims:
     def dp_rank(self) -> int:
         if self._mesh is None:
             return 0
-        return self._mesh["dp"].get_local_rank()
+        return self._dp_mesh.get_local_rank()
 
     def fsdp_mesh(self) -> DeviceMesh:
         """The mesh fully_shard takes: 1D shard mesh for FSDP, 2D (replicate, shard) for HSDP."""
@@ -85,4 +87,7 @@ class ParallelDims:
         return self._mesh["dp_shard"]
 
     def dp_group(self) -> torch.distributed.ProcessGroup | None:
-        return None if self._mesh is None else self._mesh["dp"].get_group()
+        return None if self._mesh is None else self._dp_mesh.get_group()
+
+    def dp_shard_rank(self) -> int:
+        return 0 if self._mesh is None else self._mesh["dp_shard"].get_local_rank()

@@ -9,8 +9,13 @@ from PIL import Image
 
 
 def save_image_grid(images: torch.Tensor, path: Path, nrow: int = 0) -> Path:
-    """Writes (N, C, H, W) images in [-1, 1] (C = 1 or 3) as one PNG grid with 2-pixel gaps."""
+    """Writes (N, C, H, W) images in [-1, 1] (C = 1 or 3) as one PNG grid with 2-pixel gaps.
+
+    Images smaller than 64 px are enlarged by an integer factor (nearest) so a grid is viewable.
+    """
     images = ((images.detach().float().cpu().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+    scale = max(1, 64 // images.shape[-1])
+    images = images.repeat_interleave(scale, dim=-2).repeat_interleave(scale, dim=-1)
     n, c, h, w = images.shape
     if c not in (1, 3):
         raise ValueError(f"cannot save {c}-channel images as PNG; decode latents first")

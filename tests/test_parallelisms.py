@@ -1,0 +1,140 @@
+"""One process, DDP, FSDP and HSDP (gloo, CPU) train the same losses from the same seed checkpoint."""
+
+import json
+
+import pytest
+import torch
+
+from tests.conftest import TINY, read_metrics, run_train
+from torchtitan.parallelisms.parallel_dims import ParallelDims
+
+STEPS = 3
+COMMON = [*TINY, "--training.steps", str(STEPS), "--training.global_batch_size", "16", "--checkpoint.enable", "true",
+          "--checkpoint.interval", "1000", "--training.ema_decay", "0"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def seed_checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("seed")
+    run_train([*COMMON, "--job.dump_folder", str(folder), "--checkpoint.create_seed_checkpoint", "true"])
+    return folder / "checkpoint" / "step-0"
+
+
+@pytest.fixture(scope="module")
+def reference(seed_checkpoint, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("one")
+    run_train([*COMMON, "--job.dump_folder", str(folder), "--training.local_batch_size", "16",
+               "--checkpoint.initial_load_path", str(seed_checkpoint)])  # fmt: skip
+    return read_metrics(folder)
+
+
+def assert_same_losses(got: list[dict], expected: list[dict]) -> None:
+    # fp32 on CPU; only the order of the gradient reductions differs between layouts.
+    assert [m["step"] for m in got] == [m["step"] for m in expected]
+    for a, b in zip(got, expected):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (a, b)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), (a, b)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name, nproc, extra",
+    [
+        ("ddp", 2, ["--parallelism.data_parallel_replicate_degree", "2", "--training.local_batch_size", "8"]),
+        ("fsdp", 2, ["--training.local_batch_size", "8"]),
+        ("fsdp_accum", 2, ["--training.local_batch_size", "4"]),  # 2 micro-batches per step
+        ("hsdp", 4, ["--parallelism.data_parallel_replicate_degree", "2", "--training.local_batch_size", "4"]),
+        ("fsdp_full_ac", 2, ["--training.local_batch_size", "8", "--activation_checkpoint.mode", "full"]),
+        ("selective_op_ac", 1, ["--training.local_batch_size", "16", "--activation_checkpoint.mode", "selective"]),
+        ("every_2nd_ac", 1, ["--training.local_batch_size", "16", "--activation_checkpoint.mode", "selective",
+                             "--activation_checkpoint.selective_ac_option", "2"]),
+    ],
+)  # fmt: skip
+def test_parallelisms_match_one_process(seed_checkpoint, reference, tmp_path, name, nproc, extra):
+    folder = tmp_path / name
+    run_train([*COMMON, *extra, "--job.dump_folder", str(folder), "--checkpoint.initial_load_path",
+               str(seed_checkpoint)], nproc=nproc)  # fmt: skip
+    assert_same_losses(read_metrics(folder), reference)
+
+
+@pytest.mark.slow
+def test_compile_matches_eager(seed_checkpoint, reference, tmp_path):
+    folder = tmp_path / "compiled"
+    run_train([*COMMON, "--training.local_batch_size", "16", "--compile.enable", "true", "--job.dump_folder",
+               str(folder), "--checkpoint.initial_load_path", str(seed_checkpoint)], timeout=900)  # fmt: skip
+    got = read_metrics(folder)
+    for a, b in zip(got, reference):  # inductor fuses and reorders fp32 maths: looser than eager layouts
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_fsdp_checkpoint_resumes_and_exports(seed_checkpoint, tmp_path):
+    folder = tmp_path / "fsdp"
+    args = [*COMMON, "--training.local_batch_size", "8", "--job.dump_folder", str(folder),
+            "--checkpoint.initial_load_path", str(seed_checkpoint), "--training.ema_decay", "0.5"]  # fmt: skip
+    run_train([*args, "--training.steps", "2"], nproc=2)
+    run_train([*args, "--training.steps", "4"], nproc=2)  # resumes at step 2 from the FSDP checkpoint
+    full = tmp_path / "full"
+    run_train([*args, "--training.steps", "4", "--job.dump_folder", str(full)], nproc=2)
+    assert [m["loss"] for m in read_metrics(folder)] == [m["loss"] for m in read_metrics(full)]
+
+    # The exported EMA (gathered from FSDP shards) loads into a plain model; outputs match the DCP EMA.
+    from safetensors import safe_open
+
+    from torchtitan.models.dit import DiT, DiTArgs
+
+    with safe_open(str(folder / "ema.safetensors"), "pt") as f:
+        model = DiT(DiTArgs(**json.loads(f.metadata()["model_args"])))
+        model.load_state_dict({k: f.get_tensor(k) for k in f.keys()})
+    model.init_buffers()
+    import torch.distributed.checkpoint as dcp
+
+    reference = DiT(model.args)
+    reference.init_buffers()
+    state = {"ema": {k: torch.empty_like(v) for k, v in reference.state_dict().items()}}
+    state["ema"]["num_updates"] = torch.tensor(0)
+    dcp.load(state, checkpoint_id=str(folder / "checkpoint" / "step-4"))
+    del state["ema"]["num_updates"]
+    reference.load_state_dict(state["ema"])
+    x, t, y = torch.randn(2, 1, 16, 16), torch.tensor([10.0, 700.0]), torch.tensor([3, 7])
+    torch.testing.assert_close(model(x, t, y), reference(x, t, y), rtol=0, atol=0)
+
+
+def test_parallel_dims_resolve_and_reject():
+    dims = ParallelDims(2, -1, 8)
+    assert (dims.dp_replicate, dims.dp_shard, dims.mode) == (2, 4, "hsdp")
+    assert ParallelDims(4, 1, 4).mode == "ddp" and ParallelDims(1, -1, 4).mode == "fsdp"
+    with pytest.raises(ValueError, match="data_parallel_replicate_degree x data_parallel_shard_degree"):
+        ParallelDims(2, 3, 8)
+    with pytest.raises(ValueError, match="does not divide"):
+        ParallelDims(3, -1, 8)
+
+
+def test_sharded_7b_init_without_materializing():
+    """fully_shard over a fake 8-rank world on the meta device: right count, right per-rank shards."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from torchtitan.models.dit import DiT, dit_configs
+    from torchtitan.parallelisms.utils import apply_fsdp
+
+    world = 8
+    dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        with torch.device("meta"):
+            model = DiT(dit_configs["7B"])
+        total = sum(p.numel() for p in model.parameters())
+        assert 7.0e9 < total < 7.6e9
+        apply_fsdp(model, list(model.blocks.values()), mesh, torch.bfloat16, torch.float32, "default")
+        local = 0
+        for p in model.parameters():
+            assert p.device.type == "meta"  # nothing was materialized
+            rows = p.shape[0]
+            expected_rows = max(0, min(rows - 3 * -(-rows // world), -(-rows // world)))  # torch.chunk's rank-3 rows
+            assert p.to_local().shape[0] == expected_rows
+            local += p.to_local().numel()
+        assert local == pytest.approx(total / world, rel=0.01)
+    finally:
+        dist.destroy_process_group()
