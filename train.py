@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.ema import EMA
@@ -28,6 +29,24 @@ from torchtitan.tools.logging import init_logger, logger
 from torchtitan.tools.utils import GarbageCollection, get_device, set_determinism
 from torchtitan.train_spec import build_model_args, get_train_spec
 
+SDPA_BACKENDS = {
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "math": SDPBackend.MATH,
+}
+
+
+def init_distributed(device: torch.device, world_size: int) -> None:
+    """Joins the process group (torchrun's env); a single process gets a 1-rank group of its own."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if world_size == 1 and "MASTER_ADDR" not in os.environ:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        dist.init_process_group(backend)
+
 
 class Trainer:
     """Holds what the loop needs; `__init__` builds it all in a fixed order."""
@@ -37,11 +56,11 @@ class Trainer:
         self.device = get_device()
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
-        if self.world_size > 1 and not dist.is_initialized():
-            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
         p = cfg.parallelism
         self.parallel_dims = ParallelDims(p.data_parallel_replicate_degree, p.data_parallel_shard_degree,
-                                          self.world_size)  # fmt: skip
+                                          self.world_size, p.fsdp_single_device)  # fmt: skip
+        if self.parallel_dims.fsdp_enabled or self.world_size > 1:
+            init_distributed(self.device, self.world_size)
         self.parallel_dims.build_mesh(self.device.type)
         self.dp_rank, self.dp_degree = self.parallel_dims.dp_rank(), self.parallel_dims.dp_degree
         self.grad_accum_steps = check_batch_sizes(cfg, self.dp_degree)
@@ -71,6 +90,8 @@ class Trainer:
         self.profiler = Profiler(cfg.profiling, self.dump_folder, self.rank, self.device)
         self.autocast = self.device.type == "cuda" and not self.parallel_dims.fsdp_enabled
         self.autocast = self.autocast and cfg.training.mixed_precision_param == "bfloat16"
+        self.sdpa_backends = [SDPA_BACKENDS[name] for name in cfg.model.sdpa_backends]
+        logger.info(f"attention: SDPA backends in priority order {cfg.model.sdpa_backends}")
         self.write_config()
         logger.info(
             f"{cfg.model.flavor}: {sum(p.numel() for p in self.model.parameters()):,} parameters, "
@@ -128,8 +149,15 @@ class Trainer:
             y = torch.where(drop, torch.full_like(y, self.model_args.num_classes), y)  # CFG's null class
         else:
             y = None
-        with torch.autocast(self.device.type, torch.bfloat16, enabled=self.autocast):
+        with self.compute_context():
             return self.diffusion.training_losses(self.model, x, y, t=t, noise=noise)
+
+    @contextlib.contextmanager
+    def compute_context(self):
+        """bf16 autocast (single device / DDP) and the attention-kernel priority, around a forward."""
+        with torch.autocast(self.device.type, torch.bfloat16, enabled=self.autocast):
+            with sdpa_kernel(self.sdpa_backends, set_priority=True):
+                yield
 
     def train_step(self) -> dict:
         """One optimizer step over grad_accum_steps micro-batches; returns tensors for logging."""
@@ -154,6 +182,10 @@ class Trainer:
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if getattr(self.model, "float8_fsdp_all_gather", False):
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            precompute_float8_dynamic_scale_for_fsdp(self.model)  # one all-reduce for every weight's scale
         if self.ema is not None:
             self.ema.update()
         return {"loss_sum": loss_sum, "grad_norm": grad_norm, "lr": lr}
@@ -175,7 +207,7 @@ class Trainer:
         noise = torch.randn(num_samples, args.in_channels, args.input_size, args.input_size, generator=generator)
         y = torch.arange(num_samples) % args.num_classes if args.num_classes > 0 else None
         noise, y = noise.to(self.device), (y.to(self.device) if y is not None else None)
-        with torch.autocast(self.device.type, torch.bfloat16, enabled=self.autocast):
+        with self.compute_context():
             return sample_images(self.diffusion, self.model, noise, y, s.steps, s.sampler, s.cfg_scale,
                                  args.num_classes, clip_denoised=not self.job_config.latent.tokenizer)  # fmt: skip
 

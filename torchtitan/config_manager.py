@@ -90,6 +90,9 @@ class Model:
     """Override: 'true' | 'false'; '' keeps the flavor's."""
     learn_sigma: str = ""
     """Override: 'true' | 'false' (DiT's 2C-channel output + VLB term); '' keeps the flavor's."""
+    sdpa_backends: list[str] = field(default_factory=lambda: ["cudnn", "flash", "efficient", "math"])
+    """Attention kernels in priority order ('cudnn', 'flash', 'efficient', 'math'); the first that
+    supports the shapes runs. cuDNN first: fastest measured on H100 at DiT head sizes (docs/benchmarks.md)."""
 
 
 @dataclass
@@ -191,6 +194,9 @@ class Parallelism:
     """FSDP degree; -1 takes the rest of the world."""
     fsdp_reshard_after_forward: str = "default"
     """'default', 'always' or 'never'."""
+    fsdp_single_device: bool = False
+    """On one GPU, apply FSDP2 anyway (a 1-rank mesh) so compute runs on bf16 parameters with fp32
+    master weights (MixedPrecisionPolicy) instead of autocast."""
 
 
 @dataclass
@@ -230,8 +236,12 @@ class ActivationCheckpoint:
 class Compile:
     enable: bool = False
     """torch.compile each block (and the loss if listed)."""
-    components: list[str] = field(default_factory=lambda: ["model", "loss"])
-    """What to compile: 'model', 'loss'."""
+    components: list[str] = field(default_factory=lambda: ["model"])
+    """What to compile: 'model' (each block). The loss is a few small pointwise ops on (B, C, H, W):
+    not worth a graph."""
+    mode: str = "default"
+    """torch.compile mode: 'default' or 'max-autotune-no-cudagraphs' (Triton GEMMs with fused epilogues;
+    minutes of autotuning at start)."""
 
 
 @dataclass
@@ -507,6 +517,7 @@ def validate(cfg: JobConfig, source: str) -> None:
         "checkpoint.async_mode": ("disabled", "async"),
         "checkpoint.export_dtype": ("float32", "bfloat16"),
         "activation_checkpoint.mode": ("none", "full", "selective"),
+        "compile.mode": ("default", "max-autotune-no-cudagraphs", "max-autotune"),
         "sampling.sampler": ("default", "ddim", "euler", "heun"),
         "latent.tokenizer": ("", "cosmos_jit", "diffusers"),
         "dp.mode": ("vanilla", "ghost", "flash", "bookkeeping", "flash_bookkeeping"),
@@ -546,6 +557,12 @@ def validate(cfg: JobConfig, source: str) -> None:
         raise ConfigError(f"lr_scheduler.decay_ratio = {cfg.lr_scheduler.decay_ratio} in {source}: must be in [0, 1]")
     if cfg.training.dataset in ("imagefolder", "cifar10", "latents") and not cfg.training.dataset_path:
         raise ConfigError(f"training.dataset_path is empty in {source}: dataset {cfg.training.dataset!r} needs one")
+    if any(c != "model" for c in cfg.compile.components):
+        raise ConfigError(f"compile.components = {cfg.compile.components} in {source}: only 'model' is compiled")
+    unknown = [b for b in cfg.model.sdpa_backends if b not in ("cudnn", "flash", "efficient", "math")]
+    if unknown or not cfg.model.sdpa_backends:
+        raise ConfigError(f"model.sdpa_backends = {cfg.model.sdpa_backends} in {source}: "
+                          "use 'cudnn', 'flash', 'efficient', 'math'")  # fmt: skip
     option = cfg.activation_checkpoint.selective_ac_option
     if option != "op" and not (option.isdigit() and int(option) > 0):
         raise ConfigError(

@@ -16,6 +16,7 @@ class ParallelDims:
     dp_replicate: int
     dp_shard: int
     world_size: int
+    fsdp_single_device: bool = False  # FSDP2 on a 1-rank mesh: bf16 compute params instead of autocast
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _dp_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
 
@@ -45,7 +46,7 @@ class ParallelDims:
 
     @property
     def fsdp_enabled(self) -> bool:
-        return self.dp_shard > 1
+        return self.dp_shard > 1 or (self.fsdp_single_device and self.world_size == 1)
 
     @property
     def hsdp_enabled(self) -> bool:
@@ -61,7 +62,7 @@ class ParallelDims:
 
     def build_mesh(self, device_type: str) -> DeviceMesh | None:
         """The (dp_replicate, dp_shard) mesh with a flattened 'dp' dim; None for one process."""
-        if self.world_size == 1:
+        if self.world_size == 1 and not self.fsdp_enabled:
             return None
         mesh = init_device_mesh(
             device_type, (self.dp_replicate, self.dp_shard), mesh_dim_names=("dp_replicate", "dp_shard")

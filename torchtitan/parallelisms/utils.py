@@ -55,11 +55,11 @@ def apply_ac(blocks: nn.ModuleDict, mode: str, selective_option: str) -> None:
                 f"{wrapped}/{len(blocks)} blocks")  # fmt: skip
 
 
-def apply_compile(blocks: nn.ModuleDict) -> None:
+def apply_compile(blocks: nn.ModuleDict, mode: str = "default") -> None:
     """torch.compile each block in place (fullgraph: a graph break is a bug, not a slowdown)."""
     for block in blocks.values():
-        block.compile(fullgraph=True)
-    logger.info(f"compiled {len(blocks)} blocks with torch.compile(fullgraph=True)")
+        block.compile(fullgraph=True, mode=None if mode == "default" else mode)
+    logger.info(f"compiled {len(blocks)} blocks with torch.compile(fullgraph=True, mode={mode!r})")
 
 
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, param_dtype: torch.dtype,
@@ -85,16 +85,21 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh, compiled: bool) -> None:
     replicate(model, device_mesh=mesh, bucket_cap_mb=100)
 
 
-def apply_float8(model: nn.Module, float8_config) -> None:
-    """Swaps Linear layers for torchao float8 training layers, skipping filtered and small ones."""
+def apply_float8(model: nn.Module, float8_config, fsdp_enabled: bool) -> bool:
+    """Swaps Linear layers for torchao float8 training layers, skipping filtered and small ones.
+
+    Returns whether FSDP all-gathers float8 weights (tensorwise recipe under FSDP), in which case the
+    trainer precomputes the scales after each optimizer step.
+    """
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError as e:
         raise ImportError("quantize.linear.float8.enable needs torchao: pip install torchao") from e
     if not float8_config.emulate and not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)):
         raise ValueError("quantize.linear.float8.enable needs an SM89+ GPU; set quantize.linear.float8.emulate = true")
+    fp8_all_gather = fsdp_enabled and float8_config.recipe_name == "tensorwise"
     if float8_config.recipe_name == "tensorwise":
-        config = Float8LinearConfig(emulate=float8_config.emulate)
+        config = Float8LinearConfig(emulate=float8_config.emulate, enable_fsdp_float8_all_gather=fp8_all_gather)
     else:
         config = Float8LinearConfig.from_recipe_name(float8_config.recipe_name)
         config = type(config)(**{**config.__dict__, "emulate": float8_config.emulate})
@@ -111,4 +116,6 @@ def apply_float8(model: nn.Module, float8_config) -> None:
         return True
 
     convert_to_float8_training(model, config=config, module_filter_fn=module_filter)
-    logger.info(f"float8 training ({float8_config.recipe_name}) on Linear layers; skipped {dict(skipped)}")
+    logger.info(f"float8 training ({float8_config.recipe_name}) on Linear layers; skipped {dict(skipped)}; "
+                f"float8 all-gather {'on' if fp8_all_gather else 'off'}")  # fmt: skip
+    return fp8_all_gather

@@ -21,12 +21,14 @@ from torchtitan.tools.logging import logger
 def parallelize_dit(model: nn.Module, parallel_dims: ParallelDims, job_config) -> nn.Module:
     """Applies the config's training optimizations and data parallelism to a DiT in place."""
     if job_config.quantize.linear.float8.enable:
-        apply_float8(model, job_config.quantize.linear.float8)
+        model.float8_fsdp_all_gather = apply_float8(
+            model, job_config.quantize.linear.float8, parallel_dims.fsdp_enabled
+        )
     ac = job_config.activation_checkpoint
     if ac.mode != "none":
         apply_ac(model.blocks, ac.mode, ac.selective_ac_option)
     if job_config.compile.enable and "model" in job_config.compile.components:
-        apply_compile(model.blocks)
+        apply_compile(model.blocks, job_config.compile.mode)
     if parallel_dims.fsdp_enabled:
         apply_fsdp(
             model,

@@ -34,9 +34,11 @@ def build_rope_2d(
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotates consecutive pairs of x's last dim. x: (B, nh, T, hd), rope: (T, hd/2, 2)."""
-    x_pairs = x.float().unflatten(-1, (-1, 2))  # (B, nh, T, hd/2, 2)
-    x0, x1 = x_pairs.unbind(-1)
-    cos, sin = rope[..., 0], rope[..., 1]  # (T, hd/2)
-    out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
-    return out.flatten(-2).type_as(x)
+    """Rotates pairs (x[i], x[i + hd/2]) of x's last dim ("rotate half", as GPT-NeoX).
+
+    x: (B, nh, T, hd), rope: (T, hd/2, 2). Contiguous halves rather than interleaved pairs keep the
+    fused kernel's loads and stores contiguous; the rotation is linear, so backward keeps no activations.
+    """
+    cos, sin = rope[..., 0].to(x.dtype), rope[..., 1].to(x.dtype)  # (T, hd/2)
+    x1, x2 = x.chunk(2, dim=-1)  # each (B, nh, T, hd/2)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
