@@ -220,7 +220,9 @@ class Trainer:
 
             images = decode_for_training(self.job_config, images)
         if self.rank == 0:
-            path = save_image_grid(images, self.dump_folder / "samples" / f"step-{self.step}.png")
+            classes = self.model_args.num_classes
+            nrow = classes if classes and len(images) % classes == 0 else 0  # one class per column
+            path = save_image_grid(images, self.dump_folder / "samples" / f"step-{self.step}.png", nrow)
             self.metrics.log_image(self.step, path)
             logger.info(f"wrote samples {path}")
 
