@@ -118,3 +118,38 @@ def test_sdpa_matches_math_attention():
     finally:
         dit_model.F.scaled_dot_product_attention = original
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_windowed_attention_matches_masked_sdpa():
+    """The 2D neighbourhood mask (dense on CPU, FlexAttention's block mask on GPU) equals SDPA with the mask
+    written out by hand."""
+    args = tiny(attn_window=1)
+    torch.manual_seed(0)
+    model = DiT(args)
+    model.init_weights()
+    perturbed(model)
+    grid = args.input_size // args.patch_size
+    rows, cols = torch.arange(grid * grid) // grid, torch.arange(grid * grid) % grid
+    mask = ((rows[:, None] - rows[None]).abs() <= 1) & ((cols[:, None] - cols[None]).abs() <= 1)
+
+    original = F.scaled_dot_product_attention
+
+    def masked_sdpa(q, k, v, **kwargs):
+        return original(q, k, v, attn_mask=mask)
+
+    x, t, y = torch.randn(2, 1, 16, 16), torch.tensor([5.0, 500.0]), torch.tensor([1, 3])
+    assert torch.equal(model.block_mask, mask)
+    windowed = model(x, t, y)
+    windowed.sum().backward()  # trains on CPU too
+    model.block_mask = None
+    try:
+        dit_model.F.scaled_dot_product_attention = masked_sdpa
+        with torch.no_grad():
+            dense = model(x, t, y)
+    finally:
+        dit_model.F.scaled_dot_product_attention = original
+    torch.testing.assert_close(windowed.detach(), dense, rtol=1e-5, atol=1e-5)
+    global_attention = DiT(tiny())
+    global_attention.load_state_dict(model.state_dict())
+    global_attention.init_buffers()
+    assert (global_attention(x, t, y) - windowed).abs().max() > 1e-4  # the window does change the output

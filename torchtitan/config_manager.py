@@ -90,6 +90,9 @@ class Model:
     """Override: 'true' | 'false'; '' keeps the flavor's."""
     learn_sigma: str = ""
     """Override: 'true' | 'false' (DiT's 2C-channel output + VLB term); '' keeps the flavor's."""
+    attn_window: int = -1
+    """Override: windowed attention over the (2w+1) x (2w+1) token neighbourhood (FlexAttention);
+    0 is global attention; -1 keeps the flavor's."""
     sdpa_backends: list[str] = field(default_factory=lambda: ["cudnn", "flash", "efficient", "math"])
     """Attention kernels in priority order ('cudnn', 'flash', 'efficient', 'math'); the first that
     supports the shapes runs. cuDNN first: fastest measured on H100 at DiT head sizes (docs/benchmarks.md)."""

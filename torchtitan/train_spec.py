@@ -46,6 +46,8 @@ def build_model_args(spec: TrainSpec, model_config) -> Any:
             setattr(args, name, getattr(model_config, name))
     if model_config.num_classes >= 0:
         args.num_classes = model_config.num_classes
+    if model_config.attn_window >= 0:
+        args.attn_window = model_config.attn_window
     for name in ("pos_embed", "norm", "mlp"):
         if getattr(model_config, name):
             setattr(args, name, getattr(model_config, name))

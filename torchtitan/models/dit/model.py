@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from torchtitan.models.dit.rope import apply_rope, build_rope_2d
 
@@ -30,6 +31,7 @@ class DiTArgs:
     norm: str = "layernorm"  # "layernorm" | "rmsnorm"
     mlp: str = "gelu"  # "gelu" | "swiglu"
     qk_norm: bool = False
+    attn_window: int = 0  # > 0: each token attends its (2w+1) x (2w+1) token neighbourhood (FlexAttention)
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     multiple_of: int = 256  # SwiGLU hidden size rounding, as in Llama
@@ -60,6 +62,8 @@ class DiTArgs:
             raise ValueError(f"input_size {self.input_size} is not divisible by patch_size {self.patch_size}")
         if self.dim % self.num_heads != 0:
             raise ValueError(f"dim {self.dim} is not divisible by num_heads {self.num_heads}")
+        if self.attn_window < 0:
+            raise ValueError(f"attn_window must be >= 0, got {self.attn_window}")
         if self.pos_embed == "rope2d" and self.head_dim % 4 != 0:
             raise ValueError(f"rope2d needs head_dim divisible by 4, got {self.head_dim}")
         for name, value, allowed in (
@@ -69,6 +73,20 @@ class DiTArgs:
         ):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+
+
+def window_block_mask(grid: int, window: int, device: torch.device):
+    """Token (r, c) attends tokens within `window` rows and columns: a FlexAttention block mask on GPU,
+    a dense (T, T) boolean mask on CPU."""
+
+    def neighbourhood(b, h, q, k):
+        return ((q // grid - k // grid).abs() <= window) & ((q % grid - k % grid).abs() <= window)
+
+    tokens = grid * grid
+    if device.type == "cpu":
+        index = torch.arange(tokens, device=device)
+        return neighbourhood(None, None, index[:, None], index[None, :])
+    return create_block_mask(neighbourhood, None, None, tokens, tokens, device=device, BLOCK_SIZE=min(128, tokens))
 
 
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -158,7 +176,7 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None, block_mask=None) -> torch.Tensor:
         B, T, D = x.shape
         qkv = self.qkv(x).view(B, T, 3, self.num_heads, D // self.num_heads)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, nh, T, hd)
@@ -166,7 +184,12 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
-        out = F.scaled_dot_product_attention(q, k, v)  # non-causal: every patch sees every patch
+        if isinstance(block_mask, torch.Tensor):  # CPU: FlexAttention has no CPU backward; same maths, dense mask
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=block_mask)
+        elif block_mask is not None:
+            out = flex_attention(q, k, v, block_mask=block_mask)  # windowed: only the 2D neighbourhood
+        else:
+            out = F.scaled_dot_product_attention(q, k, v)  # non-causal: every patch sees every patch
         return self.proj(out.transpose(1, 2).reshape(B, T, D))
 
 
@@ -199,9 +222,9 @@ class DiTBlock(nn.Module):
         self.mlp = FeedForward(args)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(args.dim, 6 * args.dim))
 
-    def forward(self, x: torch.Tensor, c: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, c: torch.Tensor, rope: torch.Tensor | None, block_mask=None) -> torch.Tensor:
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c).chunk(6, dim=-1)
-        x = x + gate_msa.unsqueeze(1) * self.attn(modulate(self.norm1(x), shift_msa, scale_msa), rope)
+        x = x + gate_msa.unsqueeze(1) * self.attn(modulate(self.norm1(x), shift_msa, scale_msa), rope, block_mask)
         x = x + gate_mlp.unsqueeze(1) * self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp))
         return x
 
@@ -234,6 +257,7 @@ class DiT(nn.Module):
         self.register_buffer("sincos", torch.empty(args.num_tokens, args.dim), persistent=False)
         self.register_buffer("rope", torch.empty(args.num_tokens, args.head_dim // 2, 2), persistent=False)
         self.grid = grid
+        self.block_mask = None  # FlexAttention mask of windowed attention, built by init_buffers()
         # A ModuleDict keyed by index, as TorchTitan does, so FQNs stay stable when blocks are wrapped.
         self.blocks = nn.ModuleDict({str(i): DiTBlock(args) for i in range(args.depth)})
         self.final_layer = FinalLayer(args)
@@ -277,6 +301,7 @@ class DiT(nn.Module):
         device = self.sincos.device
         self.sincos = sincos_pos_embed_2d(args.dim, self.grid).to(device)
         self.rope = build_rope_2d(args.head_dim, self.grid, self.grid, args.rope_theta).to(device)
+        self.block_mask = window_block_mask(self.grid, args.attn_window, device) if args.attn_window else None
 
     def unpatchify(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T, p*p*C) -> (B, C, H, W)."""
@@ -297,7 +322,7 @@ class DiT(nn.Module):
         if self.y_embedder is not None:
             c = c + self.y_embedder(y)
         for block in self.blocks.values():
-            h = block(h, c, rope)
+            h = block(h, c, rope, self.block_mask)
         h = self.final_layer(h, c)  # (B, T, p*p*C_out)
         return self.unpatchify(h)
 
