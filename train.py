@@ -22,6 +22,7 @@ from torchtitan.components.profiling import Profiler
 from torchtitan.config_manager import ConfigError, JobConfig, check_batch_sizes, parse_args, to_toml
 from torchtitan.datasets import build_dataloader
 from torchtitan.diffusion import build_diffusion, sample_images
+from torchtitan.dp.training import PrivateTraining, check_dp_config
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.utils import torch_dtype
 from torchtitan.tools.images import save_image_grid
@@ -64,6 +65,12 @@ class Trainer:
         self.parallel_dims.build_mesh(self.device.type)
         self.dp_rank, self.dp_degree = self.parallel_dims.dp_rank(), self.parallel_dims.dp_degree
         self.grad_accum_steps = check_batch_sizes(cfg, self.dp_degree)
+        source = cfg.job.config_file or "the defaults"
+        dp_refusal = check_dp_config(cfg, source)
+        if dp_refusal is None and cfg.dp.enable and cfg.dp.sampling == "poisson" and self.grad_accum_steps > 1:
+            dp_refusal = f"dp.sampling = 'poisson' in {source} draws one batch per step: no gradient accumulation"
+        if dp_refusal:
+            raise ConfigError(dp_refusal)
         self.global_batch = cfg.training.local_batch_size * self.dp_degree * self.grad_accum_steps
         self.dump_folder = Path(cfg.job.dump_folder)
         if self.device.type == "cpu" and cfg.training.mixed_precision_param != "float32":
@@ -76,13 +83,19 @@ class Trainer:
         self.model_args = build_model_args(self.train_spec, cfg.model)
         self.model = self.build_model()
         self.diffusion = build_diffusion(cfg.diffusion, self.model_args.learn_sigma)
+        poisson_steps = cfg.training.steps if cfg.dp.enable and cfg.dp.sampling == "poisson" else 0
         self.dataloader = build_dataloader(cfg.training, self.model_args, self.dp_rank, self.dp_degree,
-                                           cfg.debug.seed)  # fmt: skip
+                                           cfg.debug.seed, poisson_steps)  # fmt: skip
+        self.private = None
+        if cfg.dp.enable:
+            self.private = PrivateTraining(cfg.dp, self.model, len(self.dataloader.dataset), self.global_batch,
+                                           cfg.training.steps, self.parallel_dims.mesh, cfg.debug.seed)  # fmt: skip
         self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         self.ema = EMA(self.model, cfg.training.ema_decay, cfg.training.ema_warmup) if cfg.training.ema_decay else None
         self.checkpointer = CheckpointManager(cfg.checkpoint, self.dump_folder, self.model, self.optimizer,
-                                              self.lr_scheduler, self.ema, self.dataloader, self.rank)  # fmt: skip
+                                              self.lr_scheduler, self.ema, self.dataloader, self.rank,
+                                              extra={"dp": self.private} if self.private else None)  # fmt: skip
         self.step = self.checkpointer.maybe_load()
         self.metrics = MetricsLogger(cfg, self.dump_folder, self.rank)
         flops = self.train_spec.flops_per_image_fn(self.model_args)
@@ -165,18 +178,22 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for micro in range(self.grad_accum_steps):
             data_start = time.perf_counter()
-            x, y = next(self.dataloader)
+            x, y, *mask = next(self.dataloader)  # a mask marks the padding of Poisson-sampled batches
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            mask = mask[0].to(self.device) if mask else None
             self.meter.data_time += time.perf_counter() - data_start
             losses, _ = self.forward_losses(x, y, step, micro)
-            # Sum over this rank / global batch: the data-parallel mean (DDP/FSDP) then gives the global mean.
-            (losses.sum() * self.dp_degree / self.global_batch).backward()
-            loss_sum += losses.detach().sum()
+            if self.private is not None:
+                self.private.backward(losses, mask, last_micro_batch=micro == self.grad_accum_steps - 1)
+            else:
+                # Sum over this rank / global batch: the data-parallel mean (DDP/FSDP) then gives the global mean.
+                (losses.sum() * self.dp_degree / self.global_batch).backward()
+            loss_sum += (losses.detach() if mask is None else losses.detach() * mask).sum()
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
-        if self.job_config.training.max_norm > 0:
+        if self.job_config.training.max_norm > 0 and self.private is None:  # DP clips per sample instead
             torch.nn.utils.clip_grads_with_norm_(params, self.job_config.training.max_norm, grad_norm, foreach=True)
         lr = self.lr_scheduler.get_last_lr()[0]
         self.optimizer.step()
@@ -188,6 +205,8 @@ class Trainer:
             precompute_float8_dynamic_scale_for_fsdp(self.model)  # one all-reduce for every weight's scale
         if self.ema is not None:
             self.ema.update()
+        if self.private is not None:
+            self.private.step_done()
         return {"loss_sum": loss_sum, "grad_norm": grad_norm, "lr": lr}
 
     def log(self, out: dict) -> None:
@@ -196,6 +215,8 @@ class Trainer:
             dist.all_reduce(loss_sum, group=self.parallel_dims.dp_group())
         metrics = {"loss": loss_sum.item() / self.global_batch, "grad_norm": out["grad_norm"].item(), "lr": out["lr"]}
         metrics.update(self.meter.summary())
+        if self.private is not None:
+            metrics.update(self.private.metrics())
         self.metrics.log(self.step, metrics)
         self.meter.reset()
 

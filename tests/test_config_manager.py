@@ -89,7 +89,8 @@ def test_help_lists_every_key():
     import sys
 
     out = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True).stdout
-    for key in ("--training.global_batch_size", "--quantize.linear.float8.emulate", "--dp.augmult", "--latent.tokenizer",
-                "--training.dataloader.num_workers", "--checkpoint.keep_latest_k"):  # fmt: skip
+    keys = ("--training.global_batch_size", "--quantize.linear.float8.emulate", "--dp.augmult", "--latent.tokenizer",
+            "--training.dataloader.num_workers", "--checkpoint.keep_latest_k")  # fmt: skip
+    for key in keys:
         assert key in out
     assert "Gradient clipping norm" in out  # field docstrings are the help text

@@ -55,8 +55,10 @@ class CheckpointManager:
     """Saves and restores model, EMA, optimizer, LR scheduler, dataloader, RNG states and step."""
 
     def __init__(self, checkpoint_config, dump_folder: Path, model: nn.Module, optimizer, lr_scheduler, ema,
-                 dataloader, rank: int):  # fmt: skip
+                 dataloader, rank: int, extra: dict | None = None):  # fmt: skip
+        """`extra`: name -> object with state_dict()/load_state_dict(), the same on every rank (e.g. DP state)."""
         self.config = checkpoint_config
+        self.extra = extra or {}
         self.folder = dump_folder / checkpoint_config.folder
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
         self.ema, self.dataloader = ema, dataloader
@@ -77,6 +79,8 @@ class CheckpointManager:
             return state
         state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer, options=options)
         state["lr_scheduler"] = self.lr_scheduler.state_dict()
+        for name, obj in self.extra.items():
+            state[name] = obj.state_dict()
         # Per-rank states under per-rank keys: each rank writes and reads only its own.
         state[f"dataloader_rank{self.rank}"] = self.dataloader.state_dict()
         state[f"rng_rank{self.rank}"] = rng_state()
@@ -172,6 +176,9 @@ class CheckpointManager:
         state = self._state(model_only=model_only or not has_full_state)
         if "ema" in state and "ema" not in keys:
             del state["ema"]
+        for name in self.extra:
+            if name in state and name not in keys:
+                raise ValueError(f"checkpoint {path} has no '{name}' state (written by a run without it)")
         if not model_only:
             state["step"] = 0
         dcp.load(state, checkpoint_id=str(path))
@@ -184,6 +191,8 @@ class CheckpointManager:
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.dataloader.load_state_dict(state[f"dataloader_rank{self.rank}"])
         set_rng_state(state[f"rng_rank{self.rank}"])
+        for name, obj in self.extra.items():
+            obj.load_state_dict(state[name])
 
     # ---- export ------------------------------------------------------------------------------
     def export_ema(self, path: Path, model_args, dtype: torch.dtype) -> None:

@@ -2,9 +2,9 @@
 
 from torch.utils.data import Dataset
 
-from torchtitan.datasets.loader import DiffusionDataLoader
+from torchtitan.datasets.loader import DiffusionDataLoader, PoissonDataLoader
 
-__all__ = ["DiffusionDataLoader", "build_dataloader", "build_dataset"]
+__all__ = ["DiffusionDataLoader", "PoissonDataLoader", "build_dataloader", "build_dataset"]
 
 
 def build_dataset(training_config, model_args) -> Dataset:
@@ -57,8 +57,16 @@ def _check_matches_model(name: str, dataset: Dataset, model_args) -> None:
         )
 
 
-def build_dataloader(training_config, model_args, dp_rank: int, dp_world: int, seed: int) -> DiffusionDataLoader:
+def build_dataloader(training_config, model_args, dp_rank: int, dp_world: int, seed: int, poisson_steps: int = 0):
+    """Shuffled fixed-size batches, or with poisson_steps > 0 Poisson-sampled ones (DP-SGD)."""
     dataset = build_dataset(training_config, model_args)
+    if poisson_steps:
+        from torchtitan.dp.sampling import PoissonBatchSampler
+
+        local = training_config.local_batch_size
+        sampler = PoissonBatchSampler(len(dataset), local * dp_world / len(dataset), poisson_steps, seed, dp_rank,
+                                      dp_world)  # fmt: skip
+        return PoissonDataLoader(dataset, sampler, local)
     return DiffusionDataLoader(
         dataset, training_config.local_batch_size, dp_rank, dp_world, seed, training_config.dataloader
     )

@@ -58,3 +58,36 @@ class DiffusionDataLoader:
         self.sampler.set_epoch(self.epoch)
         self.loader.load_state_dict(state["loader"])
         self._iterator = None
+
+
+class PoissonDataLoader:
+    """This rank's share of each step's Poisson-sampled batch (DP-SGD's sampling), padded to a fixed size.
+
+    Yields (images, labels, mask): padding rows repeat an example and have mask False, so they add
+    nothing to the private gradient while shapes stay static. The padded size leaves 6 standard
+    deviations of headroom over the expected share; a larger draw raises rather than being truncated.
+    """
+
+    def __init__(self, dataset: Dataset, batch_sampler, expected_local_batch: int):
+        self.dataset = dataset
+        self.batch_sampler = batch_sampler  # PoissonBatchSampler: batch(step), step, state_dict()
+        self.padded_size = int(expected_local_batch + 6 * expected_local_batch**0.5 + 8)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        from torchtitan.dp.sampling import pad_batch
+
+        indices, mask = pad_batch(self.batch_sampler.batch(self.batch_sampler.step), self.padded_size)
+        self.batch_sampler.step += 1
+        items = [self.dataset[i] for i in indices]
+        images = torch.stack([image for image, _ in items])
+        labels = torch.tensor([int(label) for _, label in items], dtype=torch.long)
+        return images, labels, mask
+
+    def state_dict(self) -> dict:
+        return self.batch_sampler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.batch_sampler.load_state_dict(state)

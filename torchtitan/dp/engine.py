@@ -1,0 +1,247 @@
+"""DPEngine: per-sample clipped, noised gradients (DP-SGD, Abadi et al., 2016) in one call.
+
+After a forward of the wrapped model, `engine.backward(per_sample_losses)` leaves in every
+trainable `p.grad` the value (sum_i c_i g_i + noise) / B, where g_i is the gradient of sample
+i's loss over all trainable parameters, c_i = min(1, C / (||g_i|| + 1e-6)) and B the global
+batch size. Modes differ only in how they get there:
+
+- "ghost": two backward passes. The first computes per-sample norms layer by layer from the
+  layer inputs and output gradients (ghost norms, Li et al., 2021) without any weight gradient;
+  the second is a normal backward of sum_i c_i L_i / B.
+- "bookkeeping": one backward that keeps every layer's output gradient, then each weight
+  gradient as one matmul A^T diag(c) G (book-keeping, Bu et al., 2023).
+- "flash" / "flash_bookkeeping": the same with the Triton norm kernels of flash_kernels.py.
+- "vanilla": the plain mean-loss backward (not private), for comparison.
+"""
+
+import re
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from torchtitan.dp import distributed as dpdist
+from torchtitan.dp.capture import LayerCapture, LayerRecord, check_param_usage
+from torchtitan.dp.noise import add_gaussian_noise_
+
+DP_MODES = ("vanilla", "ghost", "flash", "bookkeeping", "flash_bookkeeping")
+_TWO_PASS = ("ghost", "flash")
+_FLASH = ("flash", "flash_bookkeeping")
+# Wrappers that insert names into FQNs; noise seeds use the FQN without them.
+_WRAPPER_NAMES = re.compile(r"(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module)\.")
+
+
+class DPEngine:
+    """Differentially private backward for a model (plain, FSDP2/HSDP, or DDP `replicate`).
+
+    Build it after the model is parallelized and before the first forward: it hooks every module
+    that owns a trainable parameter, and refuses (NotImplementedError naming the module) a module
+    it has no per-sample rule for. Frozen parameters are skipped.
+
+    Args:
+        model: the model, already wrapped by fully_shard / replicate if distributed.
+        mode: one of DP_MODES.
+        max_grad_norm: the clipping bound C.
+        noise_multiplier: sigma; the noise std is sigma * C on the summed gradient.
+        global_batch_size: B of the average. Under Poisson sampling pass the expected batch size
+            (sample_rate * dataset size), as the accountant assumes; None counts the samples of
+            each call over all data-parallel ranks (its mask if given).
+        dp_mesh: the data-parallel DeviceMesh (1D, or 2D for HSDP); None: the default world.
+        seed: noise seed; with the step counter it fixes the noise (see noise.py).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        mode: str,
+        max_grad_norm: float,
+        noise_multiplier: float,
+        global_batch_size: int | float | None = None,
+        dp_mesh=None,
+        seed: int = 0,
+    ):
+        if mode not in DP_MODES:
+            raise ValueError(f"DP mode must be one of {DP_MODES}, got {mode!r}")
+        if max_grad_norm <= 0 or noise_multiplier < 0:
+            raise ValueError(
+                f"need max_grad_norm > 0 and noise_multiplier >= 0, got {max_grad_norm}, {noise_multiplier}"
+            )
+        self.model, self.mode = model, mode
+        self.max_grad_norm, self.noise_multiplier = float(max_grad_norm), float(noise_multiplier)
+        self.global_batch_size, self.seed, self.step = global_batch_size, int(seed), 0
+        base = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+        self._params = [(_WRAPPER_NAMES.sub("", n), p) for n, p in base.named_parameters() if p.requires_grad]
+        self._groups = dpdist.dp_groups(dp_mesh)
+        self._sharded = any(isinstance(p, DTensor) for _, p in self._params)
+        self._ddp = dpdist.is_ddp(model)
+        self._capture = LayerCapture(model) if mode != "vanilla" else None
+        self._captured: frozenset[str] = frozenset()  # modules the first step's hooks saw
+
+    def backward(
+        self, per_sample_losses: torch.Tensor, mask: torch.Tensor | None = None, add_noise: bool = True
+    ) -> torch.Tensor | None:
+        """Private backward of this rank's per-sample losses.
+
+        Args:
+            per_sample_losses: (B_local,) losses, or (B_local, K) for augmult (K noise/timestep
+                draws per example), averaged over K before clipping.
+            mask: optional (B_local,) bool; False rows (padding of a Poisson batch) contribute nothing.
+            add_noise: False for all but the last micro-batch of an accumulated step: gradients
+                accumulate into .grad and the noise (and the step counter) come once.
+
+        Returns:
+            (B_local,) per-sample gradient norms before clipping; None in "vanilla".
+        """
+        losses = per_sample_losses.mean(1) if per_sample_losses.dim() == 2 else per_sample_losses
+        if losses.dim() != 1:
+            raise ValueError(f"per-sample losses must be (B,) or (B, K), got {tuple(per_sample_losses.shape)}")
+        keep = None if mask is None else mask.to(device=losses.device, dtype=torch.bool)
+        batch = self._global_batch(losses, keep)
+        if self.mode == "vanilla":
+            kept = losses if keep is None else losses * keep
+            self._plain_backward(kept.sum(), batch)
+            norms = None
+        else:
+            norms = self._private_backward(losses, keep, batch)
+        if add_noise and self.mode != "vanilla":
+            self._add_noise(batch)
+            self.step += 1
+        return norms
+
+    def _private_backward(self, losses, keep, batch) -> torch.Tensor:
+        capture = self._capture
+        token = capture.token
+        if token is None or losses.grad_fn is None:
+            raise RuntimeError("DPEngine.backward() needs the losses of a forward run with grad enabled")
+        try:
+            captured = frozenset(r.name for r in capture.captured())
+            if capture.track_graph:  # first step: prove no parameter is used outside its module
+                check_param_usage(losses, capture.records, token)
+                capture.track_graph = False
+                self._captured = captured
+            elif captured != self._captured:  # later steps: the hooks must keep seeing the same layers
+                raise RuntimeError(
+                    f"DP hooks saw different modules than on the first step: missing "
+                    f"{sorted(self._captured - captured)}, new {sorted(captured - self._captured)}"
+                )
+            norms = self._norm_pass(losses, token)
+            coef = (self.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+            if keep is not None:
+                coef = coef * keep
+            if self.mode in _TWO_PASS:
+                self._plain_backward((losses * coef).sum(), batch)
+            else:
+                self._bookkeeping_grads(coef / batch)
+        finally:
+            capture.reset()
+        return norms
+
+    def _norm_pass(self, losses: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        """First backward: per-sample norms from every layer's input and output gradient."""
+        flash, two_pass = self.mode in _FLASH, self.mode in _TWO_PASS
+        norm_sq = torch.zeros(losses.shape[0], device=losses.device, dtype=torch.float32)
+
+        def on_grad(record: LayerRecord, grad: torch.Tensor) -> None:
+            norm_sq.add_(record.rule.norm_sq(record.module, record.x, grad, record.param_names, flash))
+            if two_pass:
+                record.x = None  # the second pass is a normal backward: free the input now
+            else:
+                record.grad = grad
+
+        self._capture.on_grad = on_grad
+        try:
+            # Only the token is asked for, so autograd skips every weight gradient.
+            torch.autograd.grad(losses.sum(), token, retain_graph=two_pass, allow_unused=True)
+        finally:
+            self._capture.on_grad = None
+        return norm_sq.sqrt()
+
+    def _plain_backward(self, loss_sum: torch.Tensor, batch) -> None:
+        """loss_sum / B backpropagated so that .grad ends up summed over ranks and divided by B."""
+        if self._sharded:
+            divide = dpdist.fsdp_divide_factor(self.model) or 1.0
+            (loss_sum * (divide / batch)).backward()
+        elif self._ddp:
+            (loss_sum * (self._dp_size() / batch)).backward()
+        elif self._groups:
+            # A plain model on several ranks: reduce this call's gradients only, not accumulated ones.
+            previous = {p: p.grad for _, p in self._params}
+            for _, p in self._params:
+                p.grad = None
+            (loss_sum / batch).backward()
+            new = [p.grad for _, p in self._params if p.grad is not None]
+            dpdist.all_reduce_grads(new, self._groups)
+            for p, g in previous.items():
+                if g is not None:
+                    p.grad = g if p.grad is None else p.grad.add_(g)
+        else:
+            (loss_sum / batch).backward()
+
+    def _bookkeeping_grads(self, scale: torch.Tensor) -> None:
+        """sum_i scale_i g_i per parameter as one matmul per layer, reduced over ranks."""
+        plain = []
+        # Every record, captured or not, in a fixed order: ranks must issue the same collectives.
+        for record in self._capture.records:
+            if record.x is not None and record.grad is not None:
+                grads = record.rule.grads(record.module, record.x, record.grad, scale, record.param_names)
+            else:  # the layer did not reach the loss on this rank
+                grads = {n: None for n in record.param_names}
+            record.x = record.grad = None  # free the layer's activations as soon as its grads exist
+            for name, grad in grads.items():
+                param = record.params[name]
+                local = param.to_local() if isinstance(param, DTensor) else param
+                if grad is None:
+                    grad = torch.zeros(param.shape, dtype=param.dtype, device=local.device)
+                grad = grad.to(param.dtype)
+                if isinstance(param, DTensor):
+                    _accumulate(param, dpdist.reduce_to_param(grad, param))
+                else:
+                    plain.append((param, grad))
+        if self._groups and plain:
+            dpdist.all_reduce_grads([g for _, g in plain], self._groups)
+        for param, grad in plain:
+            _accumulate(param, grad)
+
+    def _add_noise(self, batch) -> None:
+        if self.noise_multiplier == 0:
+            return
+        # A Python float keeps the add to one fused kernel per block; .item() syncs once per step.
+        std = float(self.noise_multiplier * self.max_grad_norm / batch)
+        with torch.no_grad():
+            for name, param in self._params:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+                add_gaussian_noise_(grad, param, name, self.seed, self.step, std)
+
+    def _global_batch(self, losses: torch.Tensor, keep: torch.Tensor | None):
+        if self.global_batch_size is not None:
+            return float(self.global_batch_size)
+        count = keep.sum() if keep is not None else torch.tensor(losses.shape[0], device=losses.device)
+        # A 0-dim tensor: dividing by it needs no host sync.
+        return dpdist.all_reduce_sum(count.to(torch.float32), self._groups)
+
+    def _dp_size(self) -> int:
+        size = 1
+        for group in self._groups:
+            size *= group.size()
+        return size
+
+    def state_dict(self) -> dict:
+        """Step counter and seed: restoring them makes the noise of a resumed run exact."""
+        return {"step": self.step, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.seed = int(state["step"]), int(state["seed"])
+
+    def remove_hooks(self) -> None:
+        """Detaches the engine from the model (its forwards run untouched afterwards)."""
+        if self._capture is not None:
+            self._capture.remove()
+
+
+def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad += grad

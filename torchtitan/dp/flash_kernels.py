@@ -1,0 +1,241 @@
+"""Per-sample gradient norms of matmul layers without per-sample gradients in memory.
+
+For a layer whose weight gradient is a sum over tokens, the gradient of sample i is
+A_i^T G_i with A_i (T, d) the layer input and G_i (T, p) the output gradient. Its squared
+Frobenius norm has two forms:
+
+- explicit: ||A_i^T G_i||^2, B T d p multiply-adds, a d x p matrix per sample;
+- Gram (the "ghost norm" of Goodfellow, 2015; Li et al., 2021): sum((A_i A_i^T) * (G_i G_i^T)),
+  B T^2 (d + p) multiply-adds, a T x T matrix per sample.
+
+The cheaper form is picked per layer by FastDP's rule (Bu et al., 2023): Gram when 2 T^2 < d p.
+The Triton kernels below compute either form tile by tile in registers, so neither the d x p
+nor the T x T matrix is ever written to memory. Each program writes one partial sum, and the
+partials are added in torch, so the result is deterministic (no atomics).
+
+Triton is used on CUDA tensors, and on CPU tensors when Triton runs in its interpreter (tests):
+TRITON_INTERPRET=1 must be set before triton is first imported, because triton.jit picks the
+interpreter or the compiler when it decorates, and triton's own library functions are decorated
+at its import. Elsewhere the torch implementations of the same maths below run instead.
+"""
+
+import functools
+import logging
+import os
+import types
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    # Fixed at import, like triton's own jit functions: setting the variable later changes nothing.
+    _knobs = getattr(triton, "knobs", None)  # triton >= 3.4
+    _INTERPRETING = bool(_knobs.runtime.interpret) if _knobs else os.environ.get("TRITON_INTERPRET") == "1"
+    _jit = triton.jit
+except ImportError:  # CPU-only installs: the torch path below covers every case
+    triton, _INTERPRETING = None, False
+    tl = types.SimpleNamespace(constexpr=None)  # only the kernels' annotations read it
+
+    def _jit(fn):
+        return fn
+
+
+logger = logging.getLogger(__name__)
+
+# Temporaries of the torch path are bounded to about this many fp32 elements per chunk of samples.
+_CHUNK_NUMEL = 1 << 25
+
+
+def use_gram_form(num_tokens: int, in_features: int, out_features: int) -> bool:
+    """FastDP's cost rule: the Gram form is cheaper when 2 T^2 < d p."""
+    return 2 * num_tokens * num_tokens < in_features * out_features
+
+
+def triton_interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1 when triton was imported)."""
+    return _INTERPRETING
+
+
+def matmul_grad_norm_sq(a: torch.Tensor, g: torch.Tensor, flash: bool) -> torch.Tensor:
+    """Per-sample squared norms ||A_i^T G_i||_F^2.
+
+    Args:
+        a: (B, T, d) layer inputs.
+        g: (B, T, p) output gradients, same dtype as `a`.
+        flash: use the Triton kernels where they can run (CUDA, or the interpreter).
+
+    Returns:
+        (B,) float32.
+    """
+    num_tokens, d, p = a.shape[1], a.shape[2], g.shape[2]
+    if num_tokens == 1:  # rank one per sample: ||a||^2 ||g||^2
+        return a.float().square().sum((1, 2)) * g.float().square().sum((1, 2))
+    gram = use_gram_form(num_tokens, d, p)
+    if flash:
+        if triton is not None and (a.is_cuda or triton_interpreting()):
+            return _triton_norm_sq(a, g, gram)
+        _log_fallback_once(a.device.type)
+    return gram_norm_sq_torch(a, g) if gram else explicit_norm_sq_torch(a, g)
+
+
+def explicit_norm_sq_torch(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """||A_i^T G_i||^2 through the per-sample gradients, a chunk of samples at a time."""
+    chunk = max(1, _CHUNK_NUMEL // (a.shape[2] * g.shape[2]))
+    out = []
+    for a_c, g_c in zip(a.split(chunk), g.split(chunk)):
+        per_sample = torch.einsum("btd,btp->bdp", a_c.float(), g_c.float())  # (b, d, p)
+        out.append(per_sample.square().sum((1, 2)))
+    return torch.cat(out)
+
+
+def gram_norm_sq_torch(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """sum((A_i A_i^T) * (G_i G_i^T)), a chunk of samples at a time."""
+    chunk = max(1, _CHUNK_NUMEL // (a.shape[1] * a.shape[1]))
+    out = []
+    for a_c, g_c in zip(a.split(chunk), g.split(chunk)):
+        a_c, g_c = a_c.float(), g_c.float()
+        out.append((torch.bmm(a_c, a_c.mT) * torch.bmm(g_c, g_c.mT)).sum((1, 2)))  # (b, T, T) products
+    return torch.cat(out)
+
+
+@functools.cache
+def _log_fallback_once(device_type: str) -> None:
+    logger.info(
+        "flash DP norms: Triton needs CUDA (or TRITON_INTERPRET=1); using the torch implementation on %s",
+        device_type,
+    )
+
+
+@_jit
+def _explicit_kernel(
+    a_ptr, g_ptr, out_ptr, out_stride, T, D, P, sa_b, sa_t, sa_d, sg_b, sg_t, sg_p,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    # One program: sample b, a (BLOCK_D, BLOCK_P) tile of A_b^T G_b accumulated over T in registers.
+    b = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    pid_p = tl.program_id(2)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    a_base = a_ptr + b.to(tl.int64) * sa_b
+    g_base = g_ptr + b.to(tl.int64) * sg_b
+    acc = tl.zeros((BLOCK_D, BLOCK_P), dtype=tl.float32)
+    for t0 in range(0, T, BLOCK_T):
+        offs_t = t0 + tl.arange(0, BLOCK_T)
+        a_mask = (offs_d[:, None] < D) & (offs_t[None, :] < T)
+        a_t = tl.load(a_base + offs_d[:, None] * sa_d + offs_t[None, :] * sa_t, mask=a_mask, other=0.0)  # (BD, BT)
+        g_mask = (offs_t[:, None] < T) & (offs_p[None, :] < P)
+        g = tl.load(g_base + offs_t[:, None] * sg_t + offs_p[None, :] * sg_p, mask=g_mask, other=0.0)  # (BT, BP)
+        acc = tl.dot(a_t, g, acc, input_precision=PRECISION)
+    partial = tl.sum(tl.sum(acc * acc, axis=1), axis=0)
+    tl.store(out_ptr + b * out_stride + pid_d * tl.num_programs(2) + pid_p, partial)
+
+
+@_jit
+def _gram_kernel(
+    a_ptr, g_ptr, out_ptr, out_stride, T, D, P, sa_b, sa_t, sa_d, sg_b, sg_t, sg_p,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    # One program: sample b, token tiles (i, j) of (A A^T) * (G G^T); the Gram matrices are
+    # symmetric, so only j >= i runs and off-diagonal tiles count twice.
+    b = tl.program_id(0)
+    pid_i = tl.program_id(1)
+    pid_j = tl.program_id(2)
+    if pid_j >= pid_i:
+        offs_i = pid_i * BLOCK_T + tl.arange(0, BLOCK_T)
+        offs_j = pid_j * BLOCK_T + tl.arange(0, BLOCK_T)
+        a_base = a_ptr + b.to(tl.int64) * sa_b
+        g_base = g_ptr + b.to(tl.int64) * sg_b
+        aa = tl.zeros((BLOCK_T, BLOCK_T), dtype=tl.float32)  # tile (i, j) of A_b A_b^T
+        for k0 in range(0, D, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            ai = tl.load(
+                a_base + offs_i[:, None] * sa_t + offs_k[None, :] * sa_d,
+                mask=(offs_i[:, None] < T) & (offs_k[None, :] < D),
+                other=0.0,
+            )  # (BT, BK)
+            aj_t = tl.load(
+                a_base + offs_k[:, None] * sa_d + offs_j[None, :] * sa_t,
+                mask=(offs_k[:, None] < D) & (offs_j[None, :] < T),
+                other=0.0,
+            )  # (BK, BT)
+            aa = tl.dot(ai, aj_t, aa, input_precision=PRECISION)
+        gg = tl.zeros((BLOCK_T, BLOCK_T), dtype=tl.float32)  # tile (i, j) of G_b G_b^T
+        for k0 in range(0, P, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            gi = tl.load(
+                g_base + offs_i[:, None] * sg_t + offs_k[None, :] * sg_p,
+                mask=(offs_i[:, None] < T) & (offs_k[None, :] < P),
+                other=0.0,
+            )
+            gj_t = tl.load(
+                g_base + offs_k[:, None] * sg_p + offs_j[None, :] * sg_t,
+                mask=(offs_k[:, None] < P) & (offs_j[None, :] < T),
+                other=0.0,
+            )
+            gg = tl.dot(gi, gj_t, gg, input_precision=PRECISION)
+        weight = tl.where(pid_j > pid_i, 2.0, 1.0)
+        partial = tl.sum(tl.sum(aa * gg, axis=1), axis=0) * weight
+        tl.store(out_ptr + b * out_stride + pid_i * tl.num_programs(2) + pid_j, partial)
+
+
+# Tile sizes: (BLOCK_D, BLOCK_P, BLOCK_T, warps, stages) and (BLOCK_T, BLOCK_K, warps, stages). The
+# interpreter runs the first of each; on CUDA Triton's autotuner picks per (T, D, P).
+_EXPLICIT_TILES = [
+    (64, 64, 32, 4, 3), (128, 64, 32, 4, 3), (128, 128, 32, 8, 3), (128, 128, 64, 8, 3), (128, 256, 32, 8, 3),
+    (256, 128, 32, 8, 3), (128, 128, 64, 4, 4),
+]  # fmt: skip
+_GRAM_TILES = [(64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 8, 3), (128, 64, 8, 3), (128, 32, 4, 4), (64, 128, 4, 3)]
+
+
+@functools.cache
+def _launchers() -> tuple:
+    if _INTERPRETING:
+        bd, bp, bt = _EXPLICIT_TILES[0][:3]
+        explicit = functools.partial(_explicit_kernel.run, BLOCK_D=bd, BLOCK_P=bp, BLOCK_T=bt)
+        gram = functools.partial(_gram_kernel.run, BLOCK_T=_GRAM_TILES[0][0], BLOCK_K=_GRAM_TILES[0][1])
+        return explicit, gram
+    # reset_to_zero: every config the tuner tries writes its own partials layout into one buffer.
+    explicit = triton.autotune(
+        [triton.Config({"BLOCK_D": d, "BLOCK_P": p, "BLOCK_T": t}, num_warps=w, num_stages=s)
+         for d, p, t, w, s in _EXPLICIT_TILES],
+        key=["T", "D", "P"], reset_to_zero=["out_ptr"],
+    )(_explicit_kernel)  # fmt: skip
+    gram = triton.autotune(
+        [triton.Config({"BLOCK_T": t, "BLOCK_K": k}, num_warps=w, num_stages=s) for t, k, w, s in _GRAM_TILES],
+        key=["T", "D", "P"], reset_to_zero=["out_ptr"],
+    )(_gram_kernel)  # fmt: skip
+    return explicit.run, gram.run
+
+
+def _triton_norm_sq(a: torch.Tensor, g: torch.Tensor, gram: bool) -> torch.Tensor:
+    if g.dtype != a.dtype:
+        g = g.to(a.dtype)
+    B, T, D = a.shape
+    P = g.shape[2]
+    fp32_exact = a.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
+    precision = "ieee" if fp32_exact or not a.is_cuda else "tf32"
+    explicit, gram_kernel = _launchers()
+    if gram:
+        # Partials: one per (i, j) token tile; the smallest tile sizes the buffer, others use part of it.
+        n_t = triton.cdiv(T, min(t for t, *_ in _GRAM_TILES))
+        partials = torch.zeros(B, n_t * n_t, device=a.device, dtype=torch.float32)
+
+        def grid(meta):
+            return (B, triton.cdiv(T, meta["BLOCK_T"]), triton.cdiv(T, meta["BLOCK_T"]))
+
+        launch = gram_kernel
+    else:
+        n_d = triton.cdiv(D, min(d for d, *_ in _EXPLICIT_TILES))
+        n_p = triton.cdiv(P, min(p for _, p, *_ in _EXPLICIT_TILES))
+        partials = torch.zeros(B, n_d * n_p, device=a.device, dtype=torch.float32)
+
+        def grid(meta):
+            return (B, triton.cdiv(D, meta["BLOCK_D"]), triton.cdiv(P, meta["BLOCK_P"]))
+
+        launch = explicit
+    args = (a, g, partials, partials.stride(0), T, D, P, *a.stride(), *g.stride())
+    launch(*args, grid=grid, warmup=False, PRECISION=precision)
+    return partials.sum(1)

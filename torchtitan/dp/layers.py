@@ -1,0 +1,243 @@
+"""Per-layer DP rules: per-sample gradient norms and clipped gradient sums from what a layer saw.
+
+A rule turns one module call's input `x` (detached) and output gradient `g` into
+- `norm_sq`: the (B,) squared norms of the per-sample gradients of the module's trainable params;
+- `grads`: sum_i c_i g_i for each trainable param, in the param's full (unsharded) shape.
+Both only read activations and gradients, never the weights, so under FSDP they work after
+the parameters are resharded.
+
+Every rule is exact for its module type as PyTorch defines it; a module type with no rule
+here cannot be clipped and the engine refuses it (register one with `register_layer_rule`).
+"""
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchtitan.dp.flash_kernels import matmul_grad_norm_sq
+
+NormFn = Callable[[nn.Module, torch.Tensor, torch.Tensor, tuple[str, ...], bool], torch.Tensor]
+GradFn = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, tuple[str, ...]], dict[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class LayerRule:
+    """How to clip the parameters of one module type.
+
+    Attributes:
+        param_names: the direct parameters the rule knows; any other trainable one is refused.
+        norm_sq: (module, x, g, trainable names, flash) -> (B,) float32 squared per-sample norms.
+        grads: (module, x, g, coef (B,), trainable names) -> {name: sum_i coef_i grad_i}.
+        check: raises if this module's configuration is outside what the rule covers.
+        cast_input: under autocast, cast the input to the autocast dtype before the call (a
+            forward pre-hook), so the kept input is the very tensor autograd saves: no extra copy.
+        keep_input: whether the rules read the input at all.
+    """
+
+    param_names: tuple[str, ...]
+    norm_sq: NormFn
+    grads: GradFn
+    check: Callable[[nn.Module], None] = lambda module: None
+    cast_input: bool = False
+    keep_input: bool = True
+
+
+_RULES: dict[type, LayerRule] = {}
+
+
+def register_layer_rule(module_type: type, rule: LayerRule) -> None:
+    """Teaches the engine a module type (subclasses inherit the rule)."""
+    _RULES[module_type] = rule
+
+
+def find_layer_rule(module: nn.Module) -> LayerRule | None:
+    """The rule of the nearest class in the module's MRO (FSDP/DDP wrap classes by subclassing)."""
+    for cls in type(module).__mro__:
+        if cls in _RULES:
+            return _RULES[cls]
+    return None
+
+
+def scale_per_sample(t: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
+    """t * coef broadcast over the leading (batch) dim, in t's dtype.
+
+    In bf16/fp16 the coefficient is shrunk by one rounding step first, so rounding never makes
+    a clipped gradient longer than max_grad_norm (which would void the sensitivity bound).
+    """
+    if t.dtype in (torch.bfloat16, torch.float16):
+        coef = coef * (1 - torch.finfo(t.dtype).eps)
+    return t * coef.to(t.dtype).view(-1, *([1] * (t.dim() - 1)))
+
+
+# Linear and Conv2d: a matmul per token, weight grad A^T G.
+
+
+def linear_operands(module: nn.Module, x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A, G): (B, T, d) inputs and (B, T, p) output grads of a Linear or Conv2d, in g's dtype.
+
+    A Conv2d is a Linear on its unfolded patches; with kernel == stride (a patch embedding) the
+    unfold is a reshape of the input.
+    """
+    B = x.shape[0]
+    if isinstance(module, nn.Conv2d):
+        padding = (0, 0) if module.padding == "valid" else module.padding
+        a = F.unfold(x, module.kernel_size, module.dilation, padding, module.stride).transpose(1, 2)  # (B, L, C k k)
+        g = g.flatten(2).transpose(1, 2)  # (B, L, out)
+    else:
+        a = x.reshape(B, -1, x.shape[-1])  # (B, T, d): (B, d) inputs are T = 1
+        g = g.reshape(B, -1, g.shape[-1])  # (B, T, p)
+    # Under autocast the layer ran in g's dtype: the input was cast on the way in.
+    return a.to(g.dtype), g
+
+
+def _linear_norm_sq(module, x, g, names, flash):
+    a, g = linear_operands(module, x, g)
+    out = torch.zeros(a.shape[0], device=a.device, dtype=torch.float32)
+    if "weight" in names:
+        out += matmul_grad_norm_sq(a, g, flash)
+    if "bias" in names:
+        out += g.sum(1, dtype=torch.float32).square().sum(1)  # per-sample bias grad: sum over tokens
+    return out
+
+
+def _linear_grads(module, x, g, coef, names):
+    a, g = linear_operands(module, x, g)
+    grads = {}
+    if "weight" in names:
+        # One matmul for the whole batch, A^T diag(c) G over all B*T rows; c scales the smaller operand.
+        if a.shape[-1] <= g.shape[-1]:
+            lhs, rhs = g, scale_per_sample(a, coef)
+        else:
+            lhs, rhs = scale_per_sample(g, coef), a
+        grads["weight"] = (lhs.flatten(0, 1).T @ rhs.flatten(0, 1)).view(module.weight.shape)  # (p, d)
+    if "bias" in names:
+        grads["bias"] = coef.float() @ g.sum(1, dtype=torch.float32)  # (B,) @ (B, p) per-sample sums
+    return grads
+
+
+def _check_conv2d(module: nn.Conv2d) -> None:
+    if module.groups != 1 or module.padding_mode != "zeros" or module.padding == "same":
+        raise NotImplementedError("DP rule for Conv2d needs groups=1, zero padding and no padding='same'")
+
+
+# Embedding: a scatter of the output grads into the rows of the looked-up indices.
+
+
+def _embedding_operands(module, idx, g):
+    B = idx.shape[0]
+    idx = idx.reshape(B, -1)  # (B, T)
+    g = g.reshape(B, idx.shape[1], -1)  # (B, T, D)
+    if module.padding_idx is not None:  # the padding row never receives a gradient
+        g = g * (idx != module.padding_idx).unsqueeze(-1).to(g.dtype)
+    return idx, g
+
+
+def _embedding_norm_sq(module, idx, g, names, flash):
+    idx, g = _embedding_operands(module, idx, g)
+    g = g.float()
+    if idx.shape[1] == 1:
+        return g.square().sum((1, 2))
+    # Tokens with the same index add up in one row: sum_{t,s} [i_t == i_s] <g_t, g_s>.
+    same = (idx.unsqueeze(2) == idx.unsqueeze(1)).float()  # (B, T, T)
+    return (torch.bmm(g, g.mT) * same).sum((1, 2))
+
+
+def _embedding_grads(module, idx, g, coef, names):
+    idx, g = _embedding_operands(module, idx, g)
+    g = scale_per_sample(g, coef)
+    grad = torch.zeros(module.num_embeddings, g.shape[-1], device=g.device, dtype=g.dtype)
+    return {"weight": grad.index_add_(0, idx.flatten(), g.flatten(0, 1))}
+
+
+def _check_embedding(module: nn.Embedding) -> None:
+    if module.sparse or module.scale_grad_by_freq:
+        # scale_grad_by_freq couples samples through the batch's index counts.
+        raise NotImplementedError("DP rule for Embedding needs sparse=False and scale_grad_by_freq=False")
+
+
+# LayerNorm and RMSNorm with affine parameters: weight grad sum_t g * x_hat, bias grad sum_t g.
+
+
+def _normalized_input(module, x):
+    """(B, T, N) float32 normalized input, recomputed from x; N = prod(normalized_shape)."""
+    shape = tuple(module.normalized_shape)
+    if isinstance(module, nn.LayerNorm):
+        x_hat = F.layer_norm(x.float(), shape, eps=module.eps)
+    else:  # RMSNorm: its default eps is the machine epsilon of the input dtype
+        eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps
+        x_hat = F.rms_norm(x.float(), shape, eps=eps)
+    return x_hat.reshape(x.shape[0], -1, math.prod(shape))
+
+
+def _affine_norm_per_sample(module, x, g):
+    x_hat = _normalized_input(module, x)  # (B, T, N)
+    g = g.reshape(x_hat.shape).float()
+    return x_hat, g
+
+
+def _affine_norm_norm_sq(module, x, g, names, flash):
+    x_hat, g = _affine_norm_per_sample(module, x, g)
+    out = torch.zeros(x_hat.shape[0], device=x_hat.device, dtype=torch.float32)
+    if "weight" in names:
+        out += (g * x_hat).sum(1).square().sum(1)
+    if "bias" in names:
+        out += g.sum(1).square().sum(1)
+    return out
+
+
+def _affine_norm_grads(module, x, g, coef, names):
+    x_hat, g = _affine_norm_per_sample(module, x, g)
+    g = scale_per_sample(g, coef)
+    shape = tuple(module.normalized_shape)
+    grads = {}
+    if "weight" in names:
+        grads["weight"] = (g * x_hat).sum((0, 1)).view(shape)
+    if "bias" in names:
+        grads["bias"] = g.sum((0, 1)).view(shape)
+    return grads
+
+
+# A parameter added to the input (learned position table): per-sample grad = output grad summed to its shape.
+
+
+def _additive_per_sample(module, g):
+    weight_shape = module.weight.shape
+    if weight_shape[0] != 1:
+        raise ValueError(
+            f"additive DP rule needs a parameter broadcast over the batch, got shape {tuple(weight_shape)}"
+        )
+    return g.sum_to_size(g.shape[0], *weight_shape[1:])  # (B, *weight_shape[1:])
+
+
+def _additive_norm_sq(module, x, g, names, flash):
+    return _additive_per_sample(module, g).float().square().flatten(1).sum(1)
+
+
+def _additive_grads(module, x, g, coef, names):
+    per_sample = scale_per_sample(_additive_per_sample(module, g), coef)
+    return {"weight": per_sample.sum(0, keepdim=True).view(module.weight.shape)}
+
+
+register_layer_rule(nn.Linear, LayerRule(("weight", "bias"), _linear_norm_sq, _linear_grads, cast_input=True))
+register_layer_rule(
+    nn.Conv2d, LayerRule(("weight", "bias"), _linear_norm_sq, _linear_grads, _check_conv2d, cast_input=True)
+)
+register_layer_rule(nn.Embedding, LayerRule(("weight",), _embedding_norm_sq, _embedding_grads, _check_embedding))
+_affine_rule = LayerRule(("weight", "bias"), _affine_norm_norm_sq, _affine_norm_grads)
+register_layer_rule(nn.LayerNorm, _affine_rule)
+register_layer_rule(nn.RMSNorm, _affine_rule)
+ADDITIVE_RULE = LayerRule(("weight",), _additive_norm_sq, _additive_grads, keep_input=False)
+
+
+def _register_model_rules() -> None:
+    # The DiT's learned position table is `x + weight`.
+    from torchtitan.models.dit.model import LearnedPosEmbed
+
+    register_layer_rule(LearnedPosEmbed, ADDITIVE_RULE)
+
+
+_register_model_rules()

@@ -1,0 +1,111 @@
+"""Gaussian noise of DP-SGD: one draw per element of the global gradient, whatever the sharding.
+
+The noise of a parameter is a fixed function of (seed, step, parameter name): its rows are cut
+into blocks of about 2^20 elements, and block k is drawn from a generator seeded with a hash of
+(seed, step, crc32(name), k). A rank draws only the blocks that overlap its shard and slices
+them, so
+- every element of the global gradient gets exactly one draw (shards partition the elements,
+  and replicas of a shard draw the same values);
+- the values do not depend on the layout: a single process, DDP, FSDP and HSDP runs of the same
+  step add the same noise (given the same device type, whose generator defines the values);
+- a resumed run that restores the step counter draws what the uninterrupted run would have.
+"""
+
+import math
+import zlib
+
+import torch
+from torch.distributed.tensor import DTensor, Shard
+
+_BLOCK_NUMEL = 1 << 20
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    # SplitMix64's finalizer: neighbouring inputs give unrelated seeds.
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def block_seed(seed: int, step: int, name: str, block: int) -> int:
+    """Generator seed of one noise block of one parameter at one step."""
+    h = 0
+    for value in (seed, step, zlib.crc32(name.encode()), block):
+        h = _splitmix64(h ^ (value & _MASK64))
+    return h >> 1  # a non-negative int64
+
+
+def local_region(param: torch.Tensor) -> tuple[slice, ...]:
+    """The slice of the global tensor that this rank holds (everything for a plain tensor).
+
+    Follows DTensor's Shard semantics (torch.chunk along the dim, mesh dims applied in order).
+    """
+    region = [slice(0, n) for n in param.shape]
+    if not isinstance(param, DTensor):
+        return tuple(region)
+    mesh = param.device_mesh
+    coordinate = mesh.get_coordinate()
+    for mesh_dim, placement in enumerate(param.placements):
+        if placement.is_replicate():
+            continue
+        if type(placement) is not Shard:
+            raise NotImplementedError(f"DP noise supports Shard and Replicate placements, got {placement}")
+        dim = placement.dim % param.dim()
+        start, stop = region[dim].start, region[dim].stop
+        chunk = math.ceil((stop - start) / mesh.size(mesh_dim))
+        lo = min(start + coordinate[mesh_dim] * chunk, stop)
+        region[dim] = slice(lo, min(lo + chunk, stop))
+    return tuple(region)
+
+
+def gaussian_noise(param: torch.Tensor, name: str, seed: int, step: int, std: float) -> torch.Tensor:
+    """N(0, std^2) noise for this rank's part of `param`, in the local tensor's shape and dtype.
+
+    Args:
+        param: a parameter, plain or a DTensor (its global shape defines the noise).
+        name: the parameter's fully qualified name; with seed and step it fixes the values.
+        seed: the run's noise seed.
+        step: the optimizer step.
+        std: the standard deviation.
+    """
+    local = param.to_local() if isinstance(param, DTensor) else param
+    noise = standard_noise(tuple(param.shape), local_region(param), name, seed, step, local.device)
+    return noise.mul_(std).to(local.dtype).reshape(local.shape)
+
+
+def add_gaussian_noise_(grad: torch.Tensor, param: torch.Tensor, name: str, seed: int, step: int, std: float) -> None:
+    """grad += gaussian_noise(param, ...) block by block, for grad the local tensor of param's gradient."""
+    region = local_region(param) or (slice(0, 1),)
+    rows_view = grad.view([s.stop - s.start for s in region])  # a 0-dim gradient as one row
+    for rows, values in _noise_blocks(tuple(param.shape), region, name, seed, step, grad.device):
+        rows_view[rows].add_(values, alpha=std)
+
+
+def standard_noise(
+    global_shape: tuple[int, ...], region: tuple[slice, ...], name: str, seed: int, step: int, device: torch.device
+) -> torch.Tensor:
+    """float32 N(0, 1) values of `region` of the global noise tensor; only overlapping blocks are drawn."""
+    region = region or (slice(0, 1),)
+    blocks = [values for _, values in _noise_blocks(global_shape, region, name, seed, step, device)]
+    if not blocks:
+        return torch.zeros([s.stop - s.start for s in region], device=device)
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+
+
+def _noise_blocks(global_shape, region, name, seed, step, device):
+    """Yields (rows of the region, their values) for each noise block overlapping the region."""
+    global_shape = global_shape or (1,)  # a 0-dim parameter is one row of one element
+    if any(s.stop <= s.start for s in region):
+        return
+    rows_per_block = max(1, _BLOCK_NUMEL // math.prod(global_shape[1:]))
+    start, stop = region[0].start, region[0].stop
+    generator = torch.Generator(device=device)
+    for block in range(start // rows_per_block, (stop - 1) // rows_per_block + 1):
+        first = block * rows_per_block
+        generator.manual_seed(block_seed(seed, step, name, block))
+        rows = min(rows_per_block, global_shape[0] - first)
+        values = torch.randn((rows, *global_shape[1:]), generator=generator, device=device)
+        lo, hi = max(start, first), min(stop, first + rows)
+        yield slice(lo - start, hi - start), values[(slice(lo - first, hi - first), *region[1:])]
