@@ -114,3 +114,14 @@ def test_export_loads_into_plain_model(tmp_path):
     model = DiT(args)
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and all(Path(k).suffix in (".sincos", ".rope") or k in ("sincos", "rope") for k in missing)
+
+
+def test_wandb_offline_logs_metrics_and_samples(tmp_path):
+    pytest.importorskip("wandb")
+    out = tmp_path / "run"
+    run_train([*TINY, "--job.dump_folder", str(out), "--training.steps", "2", "--metrics.enable_wandb", "true",
+               "--sampling.freq", "2", "--sampling.num_samples", "2", "--sampling.steps", "2"],
+              env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})  # fmt: skip
+    runs = list((out / "wandb").glob("offline-run-*"))
+    assert runs and list(runs[0].glob("*.wandb")), "wandb wrote no offline run"
+    assert list(runs[0].rglob("*.png")), "the sample grid was not logged to wandb"
