@@ -85,7 +85,7 @@ class Trainer:
         self.diffusion = build_diffusion(cfg.diffusion, self.model_args.learn_sigma)
         poisson_steps = cfg.training.steps if cfg.dp.enable and cfg.dp.sampling == "poisson" else 0
         self.dataloader = build_dataloader(cfg.training, self.model_args, self.dp_rank, self.dp_degree,
-                                           cfg.debug.seed, poisson_steps)  # fmt: skip
+                                           cfg.debug.seed, poisson_steps, cfg.latent.scale_factor)  # fmt: skip
         self.private = None
         if cfg.dp.enable:
             self.private = PrivateTraining(cfg.dp, self.model, len(self.dataloader.dataset), self.global_batch,
@@ -236,11 +236,11 @@ class Trainer:
         s = self.job_config.sampling
         with self.ema.swapped_in() if self.ema is not None else contextlib.nullcontext():
             images = self.generate_samples(s.num_samples, s.seed)
-        if self.job_config.latent.tokenizer:
-            from cosmos_latent_decoder import decode_for_training
-
-            images = decode_for_training(self.job_config, images)
         if self.rank == 0:
+            if self.job_config.latent.tokenizer:  # only rank 0 writes the grid, so only it decodes
+                from cosmos_latent_decoder import decode_for_training
+
+                images = decode_for_training(self.job_config, images)
             classes = self.model_args.num_classes
             nrow = classes if classes and len(images) % classes == 0 else 0  # one class per column
             path = save_image_grid(images, self.dump_folder / "samples" / f"step-{self.step}.png", nrow)

@@ -7,6 +7,7 @@ docstring is the help text `train.py --help` prints.
 import argparse
 import ast
 import dataclasses
+import functools
 import sys
 import tomllib
 import typing
@@ -349,6 +350,7 @@ class JobConfig:
         return dataclasses.asdict(self)
 
 
+@functools.cache
 def _field_docs(cls: type) -> dict[str, str]:
     """Field docstrings (the string literal after each field) read from the class source."""
     import inspect

@@ -7,7 +7,7 @@ from torchtitan.datasets.loader import DiffusionDataLoader, PoissonDataLoader
 __all__ = ["DiffusionDataLoader", "PoissonDataLoader", "build_dataloader", "build_dataset"]
 
 
-def build_dataset(training_config, model_args) -> Dataset:
+def build_dataset(training_config, model_args, latent_scale_factor: float = 0.0) -> Dataset:
     """The dataset named by `training.dataset`, checked against the model's input shape.
 
     Raises:
@@ -35,7 +35,7 @@ def build_dataset(training_config, model_args) -> Dataset:
     elif name == "latents":
         from torchtitan.datasets.latents import LatentShardDataset
 
-        dataset = LatentShardDataset(training_config.dataset_path)
+        dataset = LatentShardDataset(training_config.dataset_path, scale_factor=latent_scale_factor)
     else:
         raise ValueError(f"training.dataset = {name!r} is not a known dataset")
     _check_matches_model(name, dataset, model_args)
@@ -46,9 +46,10 @@ def _check_matches_model(name: str, dataset: Dataset, model_args) -> None:
     image, _ = dataset[0]
     expected = (model_args.in_channels, model_args.input_size, model_args.input_size)
     if tuple(image.shape) != expected:
+        hint = f"; {dataset.describe()}" if hasattr(dataset, "describe") else ""  # latents: tokenizer + fix
         raise ValueError(
             f"training.dataset {name!r} yields {tuple(image.shape)} (C, H, W) but the model expects {expected} "
-            "(model.in_channels, model.input_size)"
+            f"(model.in_channels, model.input_size){hint}"
         )
     classes = getattr(dataset, "num_classes", None)
     if classes is not None and model_args.num_classes not in (0, classes):
@@ -57,9 +58,10 @@ def _check_matches_model(name: str, dataset: Dataset, model_args) -> None:
         )
 
 
-def build_dataloader(training_config, model_args, dp_rank: int, dp_world: int, seed: int, poisson_steps: int = 0):
+def build_dataloader(training_config, model_args, dp_rank: int, dp_world: int, seed: int, poisson_steps: int = 0,
+                     latent_scale_factor: float = 0.0):  # fmt: skip
     """Shuffled fixed-size batches, or with poisson_steps > 0 Poisson-sampled ones (DP-SGD)."""
-    dataset = build_dataset(training_config, model_args)
+    dataset = build_dataset(training_config, model_args, latent_scale_factor)
     if poisson_steps:
         from torchtitan.dp.sampling import PoissonBatchSampler
 

@@ -1,0 +1,249 @@
+"""Images from a trained checkpoint: a PNG grid, or an ADM-format .npz for FID.
+
+    python sample.py --checkpoint outputs/RUN [--num-samples 16 --classes 1,2,3 --cfg-scale 4 --sampler ddim
+                     --steps 50 --seed 0 --out grid.png]
+    torchrun --nproc_per_node=8 sample.py --checkpoint outputs/RUN --num-samples 50000 --npz samples.npz
+
+`--checkpoint` is a run folder (its `config.toml`; the weights of `ema.safetensors` when the run exported
+them, else the newest complete DCP checkpoint under its checkpoint folder), a DCP step folder
+(`RUN/checkpoint/step-N`) or an exported `.safetensors` file. From a DCP checkpoint the EMA weights are
+loaded when it has them, else the live model's. Weights load into a plain single-process model: DCP reads
+every shard itself, so no process group is needed. Latent models are decoded through the run's
+`[latent]` tokenizer, un-normalized with the statistics stored beside the run's prepared data.
+
+With `--npz`, N samples are written as `arr_0` (N, H, W, 3) uint8 (grey images repeated to RGB) and
+their labels as `arr_1`, the format of ADM's evaluation suite. Under torchrun each rank generates every
+world_size-th batch and rank 0 assembles them in order. Batch b's noise comes from a generator seeded by
+(seed, b), so the samples do not depend on the number of ranks. Labels cycle through the classes
+(`--classes`, or all of them: an exactly balanced set).
+"""
+
+import argparse
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from torchtitan.config_manager import JobConfig, parse_args
+from torchtitan.diffusion import build_diffusion, sample_images
+from torchtitan.tools.images import save_image_grid
+from torchtitan.tools.logging import init_logger, logger
+from torchtitan.train_spec import build_model_args, get_train_spec
+
+
+def find_config(start: Path) -> Path:
+    """The run's config.toml: in `start` or up to three folders above it (a step folder's run)."""
+    for folder in [start, *list(start.parents)[:3]]:
+        if (folder / "config.toml").is_file():
+            return folder / "config.toml"
+    raise FileNotFoundError(f"--checkpoint: no config.toml in {start} or the folders above it; pass --config")
+
+
+def resolve_checkpoint(path: Path, config: str = "") -> tuple[JobConfig, Path]:
+    """(the run's config, the weights: a .safetensors file or a DCP step folder)."""
+    if not path.exists():
+        raise FileNotFoundError(f"--checkpoint: {path} does not exist")
+    config_file = Path(config) if config else find_config(path if path.is_dir() else path.parent)
+    cfg = parse_args(["--job.config_file", str(config_file)])
+    if path.is_file() or (path / ".metadata").is_file():
+        return cfg, path
+    if (path / "ema.safetensors").is_file():
+        return cfg, path / "ema.safetensors"
+    from torchtitan.components.checkpoint import complete_checkpoints
+
+    found = complete_checkpoints(path / cfg.checkpoint.folder)
+    if not found:
+        raise FileNotFoundError(f"--checkpoint: {path} has neither ema.safetensors nor a complete checkpoint "
+                                f"in {path / cfg.checkpoint.folder}")  # fmt: skip
+    return cfg, found[0][1]
+
+
+def load_dcp_weights(model: torch.nn.Module, step_dir: Path) -> str:
+    """Loads the 'ema' entries of a DCP checkpoint (else 'model') into a plain model; returns which."""
+    import torch.distributed.checkpoint as dcp
+
+    keys = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+    prefix = "ema" if any(k.startswith("ema.") and k != "ema.num_updates" for k in keys) else "model"
+    params = {name: p.detach() for name, p in model.named_parameters()}  # DCP fills these in place
+    if prefix == "model":
+        params = dict(model.state_dict())
+    missing = [name for name in params if f"{prefix}.{name}" not in keys]
+    if missing:
+        raise ValueError(f"checkpoint {step_dir} has no '{prefix}' entries for {missing[:5]}: not this model's")
+    state = {prefix: params}
+    with warnings.catch_warnings():
+        # Without a process group DCP reads every shard in this one process, as intended here.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(step_dir))
+    return prefix
+
+
+def load_model(cfg: JobConfig, weights: Path, device: torch.device):
+    """A plain model (eval mode) with the weights of `weights`; also returns its args."""
+    spec = get_train_spec(cfg.model.name)
+    model_args = build_model_args(spec, cfg.model)
+    with torch.device("meta"):
+        model = spec.model_cls(model_args)
+    model.to_empty(device=device)
+    model.init_weights()  # also computes the non-persistent buffers (positions) the weights file lacks
+    if weights.is_file():
+        from safetensors.torch import load_file
+
+        model.load_state_dict(load_file(str(weights), device=str(device)), strict=True)
+        which = f"{weights}"
+    else:
+        which = f"'{load_dcp_weights(model, weights)}' weights of {weights}"
+    logger.info(f"loaded {which}")
+    return model.eval(), model_args
+
+
+def to_uint8_nhwc(images: torch.Tensor) -> np.ndarray:
+    """(N, C, H, W) in [-1, 1] -> (N, H, W, 3) uint8, grey repeated to RGB (ADM's format)."""
+    images = ((images.float().cpu().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+    if images.shape[1] == 1:
+        images = images.repeat(1, 3, 1, 1)
+    return images.permute(0, 2, 3, 1).contiguous().numpy()
+
+
+class Sampler:
+    """Generates batches of images from a loaded model: noise -> sampler -> (decode) -> [-1, 1]."""
+
+    def __init__(self, cfg: JobConfig, model, model_args, device: torch.device, args: argparse.Namespace):
+        self.cfg, self.model, self.model_args, self.device = cfg, model, model_args, device
+        self.diffusion = build_diffusion(cfg.diffusion, model_args.learn_sigma)
+        self.steps = args.steps or cfg.sampling.steps
+        self.sampler = args.sampler or cfg.sampling.sampler
+        self.cfg_scale = cfg.sampling.cfg_scale if args.cfg_scale is None else args.cfg_scale
+        self.seed = args.seed
+        self.autocast = device.type == "cuda"
+
+    @torch.no_grad()
+    def batch(self, index: int, labels: torch.Tensor | None, size: int) -> torch.Tensor:
+        """Batch `index` of the run: its own seeded noise, so it is the same on any rank."""
+        a = self.model_args
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        noise = torch.randn(size, a.in_channels, a.input_size, a.input_size, generator=generator).to(self.device)
+        y = labels.to(self.device) if labels is not None else None
+        latent = bool(self.cfg.latent.tokenizer)
+        with torch.autocast(self.device.type, torch.bfloat16, enabled=self.autocast):
+            x = sample_images(self.diffusion, self.model, noise, y, self.steps, self.sampler, self.cfg_scale,
+                              a.num_classes, clip_denoised=not latent)  # fmt: skip
+        if latent:
+            from cosmos_latent_decoder import decode_for_training
+
+            x = decode_for_training(self.cfg, x)
+        return x.float().clamp(-1, 1)
+
+
+def labels_for(num: int, classes: list[int], num_classes: int) -> torch.Tensor | None:
+    """Labels of samples 0..num-1: cycling through `classes` (or all classes); None if unconditional."""
+    if num_classes == 0:
+        return None
+    classes = classes or list(range(num_classes))
+    bad = [c for c in classes if not 0 <= c < num_classes]
+    if bad:
+        raise ValueError(f"--classes {bad}: the model has classes 0..{num_classes - 1}")
+    return torch.tensor(classes)[torch.arange(num) % len(classes)]
+
+
+def write_grid(sampler: Sampler, args, classes: list[int]) -> Path:
+    labels = labels_for(args.num_samples, classes, sampler.model_args.num_classes)
+    images = []
+    for b, start in enumerate(range(0, args.num_samples, args.batch_size)):
+        size = min(args.batch_size, args.num_samples - start)
+        images.append(sampler.batch(b, labels[start : start + size] if labels is not None else None, size).cpu())
+    columns = len(classes) or sampler.model_args.num_classes
+    nrow = columns if columns and args.num_samples % columns == 0 else 0  # one class per column
+    return save_image_grid(torch.cat(images), Path(args.out), nrow)
+
+
+def write_npz(sampler: Sampler, args, classes: list[int], rank: int, world: int) -> Path | None:
+    """Each rank samples every world-th batch into a part file; rank 0 assembles them in order."""
+    from tqdm import tqdm
+
+    out = Path(args.npz)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    labels = labels_for(args.num_samples, classes, sampler.model_args.num_classes)
+    starts = list(range(0, args.num_samples, args.batch_size))
+    parts = {}
+    for b in tqdm(range(rank, len(starts), world), desc="sampling", disable=rank != 0):
+        size = min(args.batch_size, args.num_samples - starts[b])
+        y = labels[starts[b] : starts[b] + size] if labels is not None else None
+        parts[f"batch_{b}"] = to_uint8_nhwc(sampler.batch(b, y, size))
+    part_file = out.with_name(f"{out.name}.part{rank}.npz")
+    np.savez(part_file, **parts)
+    if dist.is_initialized():
+        dist.barrier()
+    if rank != 0:
+        return None
+    batches = {}
+    for r in range(world):
+        part = out.with_name(f"{out.name}.part{r}.npz")
+        with np.load(part) as data:
+            batches.update({int(k.split("_")[1]): data[k] for k in data.files})
+        part.unlink()
+    images = np.concatenate([batches[b] for b in range(len(starts))])
+    label_array = labels.numpy() if labels is not None else np.zeros(len(images), dtype=np.int64)
+    tmp = out.with_name(out.name + ".tmp")
+    with open(tmp, "wb") as f:
+        np.savez(f, arr_0=images, arr_1=label_array)
+    os.replace(tmp, out)
+    return out
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Sample images from a TorchDiTan checkpoint.")
+    parser.add_argument("--checkpoint", required=True, help="run folder, DCP step folder or .safetensors export")
+    parser.add_argument("--config", default="", help="config.toml (default: the run's)")
+    parser.add_argument("--num-samples", type=int, default=16)
+    parser.add_argument("--classes", default="", help="comma-separated class indices, cycled over the samples")
+    parser.add_argument("--cfg-scale", type=float, default=None, help="default: the run's sampling.cfg_scale")
+    parser.add_argument("--sampler", default="", choices=("", "default", "ddim", "euler", "heun"),
+                        help="default: the run's sampling.sampler")  # fmt: skip
+    parser.add_argument("--steps", type=int, default=0, help="sampler steps (default: the run's sampling.steps)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--out", default="samples.png", help="PNG grid")
+    parser.add_argument("--npz", default="", help="write an ADM-format .npz of all samples instead of a grid")
+    parser.add_argument("--tokenizer-dir", default="", help="override latent.checkpoint_dir")
+    parser.add_argument("--latent-stats", default="", help="override the prepared folder holding meta.json")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    init_logger()
+    args = parse(argv)
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    if world > 1 and not args.npz:
+        raise SystemExit("error: several ranks only make sense with --npz")
+    if world > 1:
+        dist.init_process_group("gloo")  # barriers only; samples travel through part files
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    try:
+        cfg, weights = resolve_checkpoint(Path(args.checkpoint), args.config)
+        cfg.latent.checkpoint_dir = args.tokenizer_dir or cfg.latent.checkpoint_dir
+        cfg.training.dataset_path = args.latent_stats or cfg.training.dataset_path
+        classes = [int(c) for c in args.classes.split(",") if c.strip()]
+        model, model_args = load_model(cfg, weights, device)
+        sampler = Sampler(cfg, model, model_args, device, args)
+        path = write_npz(sampler, args, classes, rank, world) if args.npz else write_grid(sampler, args, classes)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if path is not None:
+        logger.info(f"wrote {args.num_samples} samples to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

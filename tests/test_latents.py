@@ -1,0 +1,231 @@
+"""Latent shards: sharded resumable preparation, the dataset, its errors, and latent training end to end."""
+
+import importlib.util
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import sample
+from cosmos_latent_decoder import load_tokenizer
+from tests.conftest import ROOT, TINY, free_port, read_metrics, run_train
+from tests.test_cosmos_latent_decoder import make_image_folder, make_jit_tokenizer, make_sd_vae
+from torchtitan.config_manager import DataLoader as DataLoaderConfig
+from torchtitan.config_manager import Training
+from torchtitan.datasets import DiffusionDataLoader, build_dataset
+from torchtitan.datasets.imagefolder import ImageFolderDataset
+from torchtitan.datasets.latents import (
+    LatentNormalization,
+    LatentShardDataset,
+    combine_moments,
+    moments_std,
+    read_meta,
+)
+from torchtitan.datasets.prepare_latents import prepare_latents
+from torchtitan.models.dit import DiTArgs
+
+
+def load_script(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem + "_script", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def prepare_folder(images: Path, tokenizer_dir: Path, out: Path, kind: str = "cosmos_jit", **kwargs) -> bool:
+    tokenizer = load_tokenizer(kind, tokenizer_dir)
+    source = ImageFolderDataset(str(images), 16, random_flip=False)
+    return prepare_latents(source, out, tokenizer, image_size=16, num_classes=source.num_classes,
+                           classes=source.classes, shard_size=5, batch_size=4, **kwargs)  # fmt: skip
+
+
+def torchrun_prepare(args: list[str], nproc: int = 2) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
+           "data/imagenet/prepare.py", *args]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def test_interrupted_preparation_resumes_then_trains_and_decodes(tmp_path):
+    images = make_image_folder(tmp_path / "images")
+    make_jit_tokenizer(tmp_path / "tok")
+    out = tmp_path / "prepared"
+    args = ["--source", str(images), "--image-size", "16", "--checkpoint-dir", str(tmp_path / "tok"),
+            "--out", str(out), "--shard-size", "3", "--batch-size", "2", "--num-workers", "0"]  # fmt: skip
+    # 12 images in 4 shards over 2 ranks (rank r encodes shards r, r + 2); stop after 1 shard per rank.
+    first = torchrun_prepare([*args, "--max-shards", "1"])
+    done = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.glob("shard-*.safetensors")}
+    assert sorted(done) == ["shard-00000.safetensors", "shard-00001.safetensors"]
+    assert not (out / "meta.json").exists() and "2 of 4 shards still missing" in first.stderr
+    with pytest.raises(FileNotFoundError, match="did not finish"):
+        LatentShardDataset(out)
+    second = torchrun_prepare(args)
+    assert "skipped shard 0" in second.stderr and "encoded shard 0" not in second.stderr
+    for name, stamp in done.items():  # finished shards were not written again
+        assert ((out / name).stat().st_ino, (out / name).stat().st_mtime_ns) == stamp
+    assert len(list(out.glob("shard-*.safetensors"))) == 4 and not list(out.glob("*.tmp"))
+
+    # The shards hold the tokenizer's latents of the center-cropped image and of its mirror.
+    dataset = LatentShardDataset(out)
+    tokenizer = load_tokenizer("cosmos_jit", tmp_path / "tok")
+    source = ImageFolderDataset(str(images), 16, random_flip=False)
+    assert len(dataset) == 12 and dataset.num_classes == 3 and dataset.labels.tolist() == [0] * 4 + [1] * 4 + [2] * 4
+    for i in (0, 7, 11):
+        x = source.load(i)[None]
+        expected = torch.cat([tokenizer.encode(x), tokenizer.encode(x.flip(-1))])
+        torch.testing.assert_close(dataset.raw(i).float(), expected, atol=2e-3, rtol=2e-3)  # float16 storage
+
+    run = tmp_path / "run"
+    run_train([*TINY, "--job.dump_folder", str(run), "--training.steps", "2", "--training.local_batch_size", "2",
+               "--training.dataset", "latents", "--training.dataset_path", str(out), "--model.in_channels", "16",
+               "--model.input_size", "4", "--model.num_classes", "3", "--latent.tokenizer", "cosmos_jit",
+               "--latent.checkpoint_dir", str(tmp_path / "tok"), "--sampling.freq", "2",
+               "--sampling.num_samples", "3", "--sampling.steps", "2", "--checkpoint.enable", "true"],
+              nproc=2)  # fmt: skip
+    assert [m["step"] for m in read_metrics(run)] == [1, 2]
+    grid = Image.open(run / "samples" / "step-2.png")
+    assert grid.mode == "RGB" and grid.size == (2 + 3 * 66, 2 + 66)  # 3 decoded 16 px images, enlarged to 64
+    # sample.py decodes a latent run's samples through the same tokenizer.
+    assert sample.main(["--checkpoint", str(run), "--num-samples", "6", "--steps", "2", "--npz",
+                        str(tmp_path / "samples.npz")]) == 0  # fmt: skip
+    assert np.load(tmp_path / "samples.npz")["arr_0"].shape == (6, 16, 16, 3)
+
+
+def test_diffusers_autoencoder_flow(tmp_path):
+    images = make_image_folder(tmp_path / "images")
+    make_sd_vae(tmp_path / "vae")
+    out = tmp_path / "prepared"
+    assert prepare_folder(images, tmp_path / "vae", out, kind="diffusers", normalization="scale",
+                          scale_factor=0.5)  # fmt: skip
+    meta = read_meta(out)
+    assert meta["tokenizer"]["kind"] == "diffusers" and meta["latent_size"] == 8
+    assert meta["normalization"]["mode"] == "scale"
+    dataset = LatentShardDataset(out, random_flip=False)
+    torch.testing.assert_close(dataset[0][0], dataset.raw(0)[0].float() * 0.5)  # z * scale_factor
+    run = tmp_path / "run"
+    run_train([*TINY, "--job.dump_folder", str(run), "--training.steps", "2", "--training.local_batch_size", "2",
+               "--training.dataset", "latents", "--training.dataset_path", str(out), "--model.in_channels", "4",
+               "--model.input_size", "8", "--model.num_classes", "3", "--latent.tokenizer", "diffusers",
+               "--latent.checkpoint_dir", str(tmp_path / "vae"), "--sampling.freq", "2",
+               "--sampling.num_samples", "3", "--sampling.steps", "2"], nproc=2)  # fmt: skip
+    grid = Image.open(run / "samples" / "step-2.png")
+    assert grid.mode == "RGB" and grid.size == (2 + 3 * 66, 2 + 66)
+
+
+@pytest.fixture
+def prepared(tmp_path) -> Path:
+    make_image_folder(tmp_path / "images")
+    make_jit_tokenizer(tmp_path / "tok")
+    assert prepare_folder(tmp_path / "images", tmp_path / "tok", tmp_path / "prepared")
+    return tmp_path / "prepared"
+
+
+def test_dataset_normalizes_and_picks_a_view(prepared):
+    dataset = LatentShardDataset(prepared)
+    raw = torch.stack([dataset.raw(i) for i in range(len(dataset))]).float()  # (N, V=2, C, h, w)
+    assert raw.shape == (12, 2, 16, 4, 4)
+    per_channel = dataset.normalization.normalize(raw).transpose(0, 2).reshape(16, -1)  # every latent, both views
+    torch.testing.assert_close(per_channel.mean(1), torch.zeros(16), atol=1e-5, rtol=0)
+    torch.testing.assert_close(per_channel.std(1), torch.ones(16), atol=1e-5, rtol=0)
+    torch.manual_seed(0)
+    views = set()
+    for _ in range(20):
+        x, y = dataset[5]
+        assert x.dtype == torch.float32 and y.dtype == torch.long and int(y) == 1
+        views.add(int(torch.isclose(x, dataset.normalization.normalize(raw[5, 1])).all()))
+    assert views == {0, 1}  # both the image and its mirror are drawn
+    fixed = LatentShardDataset(prepared, scale_factor=0.25, random_flip=False)
+    torch.testing.assert_close(fixed[3][0], raw[3, 0] * 0.25)
+
+
+def test_moments_combine_exactly():
+    data = torch.randn(3, 1000, dtype=torch.float64) * torch.tensor([[1.0], [2.0], [0.5]]) + 3
+    parts = [(float(c.shape[1]), c.mean(1), (c - c.mean(1, keepdim=True)).pow(2).sum(1)) for c in data.split(
+        [100, 650, 250], dim=1)]  # fmt: skip
+    count, mean, m2 = combine_moments(parts)
+    torch.testing.assert_close(mean, data.mean(1))
+    torch.testing.assert_close(moments_std(count, m2), data.std(1))
+    assert count == 1000
+    norm = LatentNormalization("channel", [1.0, 2.0], [2.0, 4.0])
+    z = torch.randn(5, 2, 3, 3)
+    torch.testing.assert_close(norm.denormalize(norm.normalize(z)), z)
+
+
+def test_loader_shards_and_resumes(prepared):
+    dataset = LatentShardDataset(prepared, random_flip=False)
+    config = DataLoaderConfig()
+    loaders = [DiffusionDataLoader(dataset, 2, rank, 2, seed=0, dataloader_config=config) for rank in range(2)]
+    epoch = [y for loader in loaders for _ in range(3) for y in next(loader)[1].tolist()]
+    assert sorted(epoch) == sorted(dataset.labels.tolist())  # one epoch over two ranks sees every latent once
+    reference = DiffusionDataLoader(dataset, 2, 0, 2, seed=0, dataloader_config=config)
+    next(reference)
+    resumed = DiffusionDataLoader(dataset, 2, 0, 2, seed=0, dataloader_config=config)
+    resumed.load_state_dict(reference.state_dict())
+    for _ in range(4):  # across the epoch boundary too
+        (xa, ya), (xb, yb) = next(reference), next(resumed)
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+
+
+def test_errors_name_what_disagrees(tmp_path, prepared):
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "missing")):
+        LatentShardDataset(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path / 'empty'} holds no latent shards"):
+        LatentShardDataset(tmp_path / "empty")
+
+    training = Training(dataset="latents", dataset_path=str(prepared))
+    with pytest.raises(ValueError, match=r"yields \(16, 4, 4\).*expects \(4, 4, 4\)"):
+        build_dataset(training, DiTArgs(input_size=4, in_channels=4, patch_size=2, num_classes=3))
+
+    # A shard of another tokenizer dropped into the folder.
+    make_jit_tokenizer(tmp_path / "other_tok", seed=1)
+    assert prepare_folder(tmp_path / "images", tmp_path / "other_tok", tmp_path / "other")
+    shutil.copy(tmp_path / "other" / "shard-00001.safetensors", prepared / "shard-00001.safetensors")
+    with pytest.raises(ValueError, match=r"shard-00001.safetensors was encoded by tokenizer cosmos_jit:other_tok.*"
+                       r"by cosmos_jit:tok"):  # fmt: skip
+        LatentShardDataset(prepared)
+    # Resuming into a folder with another tokenizer's shards is refused, not mixed.
+    with pytest.raises(ValueError, match="encoded by tokenizer cosmos_jit:tok .*this run uses cosmos_jit:other_tok"):
+        prepare_folder(tmp_path / "images", tmp_path / "other_tok", prepared)
+    (prepared / "shard-00002.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"lacks shard\(s\) \['shard-00002.safetensors'\]"):
+        LatentShardDataset(prepared)
+
+
+def write_cifar10(folder: Path, per_batch: int = 3) -> Path:
+    """The python-pickle layout of CIFAR-10, with a few random images per batch."""
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for i in range(1, 6):
+        batch = {b"data": rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8),
+                 b"labels": [int(v) for v in rng.integers(0, 10, per_batch)]}  # fmt: skip
+        with open(folder / f"data_batch_{i}", "wb") as f:
+            pickle.dump(batch, f)
+    with open(folder / "batches.meta", "wb") as f:
+        pickle.dump({b"label_names": [f"c{i}".encode() for i in range(10)]}, f)
+    return folder
+
+
+def test_cifar10_prepare_script(tmp_path):
+    source = write_cifar10(tmp_path / "cifar-10-batches-py")
+    make_jit_tokenizer(tmp_path / "tok")
+    script = load_script(ROOT / "data" / "cifar10" / "prepare.py")
+    args = ["--source", str(tmp_path), "--checkpoint-dir", str(tmp_path / "tok"), "--out", str(tmp_path / "prepared"),
+            "--shard-size", "4", "--num-workers", "0", "--no-flip"]  # fmt: skip
+    assert script.main(args) == 0
+    dataset = LatentShardDataset(tmp_path / "prepared")
+    meta = dataset.meta
+    assert (meta["num_shards"], meta["image_size"], meta["latent_size"], meta["num_classes"]) == (4, 32, 8, 10)
+    assert meta["classes"][:2] == ["c0", "c1"] and not meta["flip"]
+    assert len(dataset) == 15 and dataset[0][0].shape == (16, 8, 8) and dataset.raw(0).shape == (1, 16, 8, 8)
+    with open(source / "data_batch_1", "rb") as f:
+        assert dataset.labels[:3].tolist() == pickle.load(f, encoding="bytes")[b"labels"]

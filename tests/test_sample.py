@@ -1,0 +1,57 @@
+"""sample.py: grids from a run folder or a DCP step folder, and ADM .npz over torchrun ranks."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import sample
+from tests.conftest import ROOT, TINY, free_port, run_train
+
+
+@pytest.fixture(scope="module")
+def digits_run(tmp_path_factory):
+    """A pixel DiT trained 4 steps on the digits: checkpoints at steps 2 and 4, and ema.safetensors."""
+    run = tmp_path_factory.mktemp("sample") / "run"
+    run_train([*TINY, "--job.dump_folder", str(run), "--training.steps", "4", "--checkpoint.enable", "true",
+               "--checkpoint.interval", "2", "--training.ema_decay", "0.9"])  # fmt: skip
+    return run
+
+
+def test_grid_from_export_and_from_dcp_agree(digits_run, tmp_path):
+    common = ["--num-samples", "4", "--classes", "3,7", "--steps", "3", "--seed", "1", "--cfg-scale", "2"]
+    assert sample.main(["--checkpoint", str(digits_run), *common, "--out", str(tmp_path / "export.png")]) == 0
+    step4 = digits_run / "checkpoint" / "step-4"
+    assert sample.main(["--checkpoint", str(step4), *common, "--out", str(tmp_path / "dcp.png")]) == 0
+    step2 = digits_run / "checkpoint" / "step-2"
+    assert sample.main(["--checkpoint", str(step2), *common, "--out", str(tmp_path / "step2.png")]) == 0
+    export, dcp, step2 = (np.asarray(Image.open(tmp_path / f"{n}.png")) for n in ("export", "dcp", "step2"))
+    assert export.shape == (2 + 2 * 66, 2 + 2 * 66)  # 2 classes as columns, 2 rows, grey 16 px enlarged to 64
+    # ema.safetensors and the DCP step-4 'ema' entries are the same weights: the same images.
+    assert np.array_equal(export, dcp)
+    assert not np.array_equal(export, step2)  # and another checkpoint really is other weights
+
+
+def test_npz_over_two_ranks_matches_one_process(digits_run, tmp_path):
+    args = ["--checkpoint", str(digits_run), "--num-samples", "7", "--batch-size", "3", "--steps", "2"]
+    assert sample.main([*args, "--npz", str(tmp_path / "one.npz")]) == 0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           "sample.py", *args, "--npz", str(tmp_path / "two.npz")]  # fmt: skip
+    result = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                            text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    one, two = np.load(tmp_path / "one.npz"), np.load(tmp_path / "two.npz")
+    assert one["arr_0"].shape == (7, 16, 16, 3) and one["arr_0"].dtype == np.uint8
+    assert one["arr_1"].tolist() == [0, 1, 2, 3, 4, 5, 6]
+    assert np.array_equal(one["arr_0"], two["arr_0"]) and np.array_equal(one["arr_1"], two["arr_1"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one.npz", "two.npz"]  # part files are gone
+
+
+def test_errors(digits_run, tmp_path, capsys):
+    assert sample.main(["--checkpoint", str(tmp_path / "nowhere")]) == 2
+    assert f"{tmp_path / 'nowhere'} does not exist" in capsys.readouterr().err
+    assert sample.main(["--checkpoint", str(digits_run), "--classes", "12", "--out", str(tmp_path / "x.png")]) == 2
+    assert "--classes [12]: the model has classes 0..9" in capsys.readouterr().err

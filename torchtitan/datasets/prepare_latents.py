@@ -1,0 +1,258 @@
+"""Encode an image dataset once into latent shards (see latents.py for the format).
+
+Used by `data/<dataset>/prepare.py`, launched with torchrun: shard k is encoded by rank k % world_size,
+each rank on its own GPU (CPU works too). Each shard is written to a temporary file and renamed into
+place (`os.replace`, atomic), so a shard that exists is complete: a rerun after an interruption skips
+the finished shards and encodes only the rest. When every shard exists, rank 0 combines the per-shard
+channel moments into the normalization statistics and writes `meta.json` last; its presence marks a
+finished preparation.
+"""
+
+import argparse
+import json
+import math
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset, Subset
+
+from torchtitan.datasets.latents import (
+    FORMAT,
+    META_FILE,
+    LatentNormalization,
+    combine_moments,
+    describe_tokenizer,
+    moments_std,
+    shard_name,
+    shard_tokenizer,
+)
+from torchtitan.tools.logging import logger
+
+STORAGE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def add_prepare_args(parser: argparse.ArgumentParser, default_out: str) -> None:
+    """The options every prepare.py shares (tokenizer, sharding, normalization)."""
+    parser.add_argument("--out", default=default_out, help="output folder of shards and meta.json")
+    parser.add_argument("--tokenizer", default="cosmos_jit", choices=("cosmos_jit", "diffusers"))
+    parser.add_argument("--checkpoint-dir", required=True, help="local tokenizer folder")
+    parser.add_argument("--shard-size", type=int, default=4096, help="images per shard (the resume unit)")
+    parser.add_argument("--batch-size", type=int, default=64, help="images per encoder call (x2 with flips)")
+    parser.add_argument("--num-workers", type=int, default=4, help="image-loading workers per rank")
+    parser.add_argument("--no-flip", action="store_true", help="skip the horizontally flipped copies")
+    parser.add_argument("--normalization", default="channel", choices=("channel", "scale"),
+                        help="'channel': per-channel mean/std measured here; 'scale': z * --scale-factor")  # fmt: skip
+    parser.add_argument("--scale-factor", type=float, default=0.18215, help="for --normalization scale")
+    parser.add_argument("--dtype", default="float16", choices=tuple(STORAGE_DTYPES), help="storage dtype")
+    parser.add_argument("--max-shards", type=int, default=0,
+                        help="stop after encoding this many shards on each rank (0: all); rerun to resume")  # fmt: skip
+
+
+def init_distributed() -> tuple[int, int, torch.device]:
+    """(rank, world size, device) under torchrun (gloo: only barriers are needed), or (0, 1, device)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if world > 1 and not dist.is_initialized():
+        # Ranks finish their shards at different times; the final barrier may wait long.
+        dist.init_process_group("gloo", timeout=timedelta(hours=12))
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        return rank, world, torch.device("cuda", local_rank)
+    return rank, world, torch.device("cpu")
+
+
+def _shard_metadata(tokenizer, index: int, num_shards: int, shard_size: int, image_size: int, flip: bool) -> dict:
+    return {
+        "format": FORMAT,
+        "tokenizer_kind": tokenizer.kind,
+        "tokenizer_name": tokenizer.name,
+        "latent_channels": str(tokenizer.latent_channels),
+        "downsample": str(tokenizer.downsample),
+        "image_size": str(image_size),
+        "shard_index": str(index),
+        "num_shards": str(num_shards),
+        "shard_size": str(shard_size),
+        "flip": str(flip),
+    }
+
+
+def _check_existing(path: Path, expected: dict) -> None:
+    """A finished shard must come from the same tokenizer and layout as this run; raises naming both."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        found = f.metadata() or {}
+    if shard_tokenizer(found) != shard_tokenizer(expected):
+        raise ValueError(f"{path} was encoded by tokenizer {describe_tokenizer(shard_tokenizer(found))}, this run "
+                         f"uses {describe_tokenizer(shard_tokenizer(expected))}: use another --out folder")  # fmt: skip
+    for key in ("image_size", "num_shards", "shard_size", "flip"):
+        if found.get(key) != expected[key]:
+            raise ValueError(f"{path} has {key} = {found.get(key)} but this run uses {expected[key]}: "
+                             "use another --out folder or the same options")  # fmt: skip
+
+
+def channel_moments(z: torch.Tensor) -> tuple[float, torch.Tensor, torch.Tensor]:
+    """(count, mean, M2) per channel of (n, V, C, h, w) latents, in float64."""
+    channels = z.transpose(0, 2).reshape(z.shape[2], -1).double()  # (C, V*n*h*w)
+    mean = channels.mean(1)
+    return float(channels.shape[1]), mean.cpu(), (channels - mean[:, None]).pow(2).sum(1).cpu()
+
+
+@torch.no_grad()
+def encode_shard(tokenizer, images: Dataset, batch_size: int, num_workers: int, flip: bool, dtype: torch.dtype,
+                 progress=None) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Encodes every image of `images` (and its mirror when flip) into one shard's tensors."""
+    loader = DataLoader(images, batch_size=batch_size, num_workers=num_workers, shuffle=False)
+    latents, labels, moments = [], [], []
+    for x, y in loader:
+        n = x.shape[0]
+        # One call for the image and its mirror: twice the batch, better use of the GPU.
+        z = tokenizer.encode(torch.cat([x, x.flip(-1)]) if flip else x)  # (V*n, C, h, w)
+        z = z.view(-1, n, *z.shape[1:]).transpose(0, 1)  # (n, V, C, h, w)
+        stored = z.to(dtype)
+        if not torch.isfinite(stored).all():
+            raise ValueError(f"latents overflow {dtype} (max |z| = {z.abs().max():.3g}): use --dtype float32")
+        moments.append(channel_moments(stored))  # of what the dataset will read: the stored values
+        latents.append(stored.cpu())
+        labels.append(torch.as_tensor(y, dtype=torch.long))
+        if progress is not None:
+            progress.update(n)
+    count, mean, m2 = combine_moments(moments)
+    return {
+        "latents": torch.cat(latents).contiguous(),
+        "labels": torch.cat(labels),
+        "stats_count": torch.tensor(count, dtype=torch.float64),
+        "stats_mean": mean,
+        "stats_m2": m2,
+    }
+
+
+def _write_atomic(tensors: dict, metadata: dict, path: Path) -> None:
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata=metadata)
+    os.replace(tmp, path)  # atomic: a shard that exists is complete
+
+
+def prepare_latents(source: Dataset, out: str | Path, tokenizer, *, image_size: int, num_classes: int,
+                    classes: list[str] | None = None, shard_size: int = 4096, batch_size: int = 64,
+                    num_workers: int = 0, flip: bool = True, normalization: str = "channel",
+                    scale_factor: float = 0.18215, dtype: str = "float16", max_shards: int = 0, rank: int = 0,
+                    world_size: int = 1, description: str = "") -> bool:  # fmt: skip
+    """Encodes `source` ((image (3, H, W) in [-1, 1], label) pairs, unflipped) into shards under `out`.
+
+    Returns:
+        True when the folder is complete (meta.json written), False when shards are still missing
+        (stopped by max_shards, or another rank's shards are not there yet).
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    num_shards = math.ceil(len(source) / shard_size)
+    mine = list(range(rank, num_shards, world_size))
+    pending = []
+    for index in mine:
+        metadata = _shard_metadata(tokenizer, index, num_shards, shard_size, image_size, flip)
+        path = out / shard_name(index)
+        if path.is_file():
+            _check_existing(path, metadata)
+            logger.info(f"skipped shard {index} (already complete: {path})")
+        else:
+            pending.append((index, path, metadata))
+    if max_shards > 0:
+        pending = pending[:max_shards]
+    from tqdm import tqdm
+
+    total = sum(min(shard_size, len(source) - i * shard_size) for i, _, _ in pending)
+    progress = tqdm(total=total, desc=f"encoding {len(pending)} shard(s)", unit="img", disable=rank != 0)
+    for index, path, metadata in pending:
+        start = time.perf_counter()
+        first = index * shard_size
+        subset = Subset(source, range(first, min(first + shard_size, len(source))))
+        tensors = encode_shard(tokenizer, subset, batch_size, num_workers, flip, STORAGE_DTYPES[dtype], progress)
+        tensors["indices"] = torch.arange(first, first + len(subset))
+        _write_atomic(tensors, metadata, path)
+        logger.info(f"encoded shard {index} ({len(subset)} images) in {time.perf_counter() - start:.1f}s: {path}")
+    progress.close()
+    if dist.is_initialized():
+        dist.barrier()
+    complete = all((out / shard_name(i)).is_file() for i in range(num_shards))
+    if rank == 0:
+        if complete:
+            meta = build_meta(out, num_shards, tokenizer, image_size, num_classes, classes, flip, dtype,
+                              normalization, scale_factor, description)  # fmt: skip
+            tmp = out / (META_FILE + ".tmp")
+            tmp.write_text(json.dumps(meta, indent=1))
+            os.replace(tmp, out / META_FILE)
+            logger.info(f"wrote {out / META_FILE}: {meta['num_images']} images in {num_shards} shards")
+        else:
+            missing = sum(not (out / shard_name(i)).is_file() for i in range(num_shards))
+            logger.info(f"{missing} of {num_shards} shards still missing: run again to resume")
+    return complete
+
+
+def build_meta(out: Path, num_shards: int, tokenizer, image_size: int, num_classes: int, classes, flip: bool,
+               dtype: str, normalization: str, scale_factor: float, description: str) -> dict:  # fmt: skip
+    """meta.json's content: dataset facts plus the normalization, from the shards' stored moments."""
+    from safetensors import safe_open
+
+    parts, num_images, latent_size = [], 0, 0
+    for i in range(num_shards):
+        with safe_open(str(out / shard_name(i)), "pt") as f:
+            parts.append((f.get_tensor("stats_count").item(), f.get_tensor("stats_mean"), f.get_tensor("stats_m2")))
+            shape = f.get_slice("latents").get_shape()
+            num_images += shape[0]
+            latent_size = shape[-1]
+    count, mean, m2 = combine_moments(parts)
+    std = moments_std(count, m2)
+    if normalization == "channel":
+        norm = LatentNormalization("channel", mean.tolist(), std.clamp_min(1e-6).tolist(), 1.0)
+    else:
+        norm = LatentNormalization("scale", mean.tolist(), std.tolist(), scale_factor)
+    return {
+        "format": FORMAT,
+        "description": description,
+        "tokenizer": {
+            "kind": tokenizer.kind,
+            "name": tokenizer.name,
+            "latent_channels": tokenizer.latent_channels,
+            "downsample": tokenizer.downsample,
+        },
+        "image_size": image_size,
+        "latent_size": latent_size,
+        "num_images": num_images,
+        "num_classes": num_classes,
+        "classes": classes or [],
+        "flip": flip,
+        "dtype": dtype,
+        "num_shards": num_shards,
+        # mean/std are always the measured per-channel statistics; mode says which map the dataset applies.
+        "normalization": norm.to_dict(),
+    }
+
+
+def run_prepare(args: argparse.Namespace, source: Dataset, image_size: int, num_classes: int,
+                classes: list[str] | None, description: str) -> int:  # fmt: skip
+    """Loads the tokenizer on this rank's device and prepares `source` into `args.out`; the exit code."""
+    from cosmos_latent_decoder import load_tokenizer
+
+    rank, world, device = init_distributed()
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    tokenizer = load_tokenizer(args.tokenizer, args.checkpoint_dir, device, dtype)
+    if rank == 0:
+        logger.info(f"{description}: {len(source)} images -> {tokenizer.describe()} on {world} rank(s)")
+    try:
+        prepare_latents(source, args.out, tokenizer, image_size=image_size, num_classes=num_classes,
+                        classes=classes, shard_size=args.shard_size, batch_size=args.batch_size,
+                        num_workers=args.num_workers, flip=not args.no_flip, normalization=args.normalization,
+                        scale_factor=args.scale_factor, dtype=args.dtype, max_shards=args.max_shards, rank=rank,
+                        world_size=world, description=description)  # fmt: skip
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
