@@ -27,6 +27,7 @@ from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.utils import torch_dtype
 from torchtitan.tools.images import save_image_grid
 from torchtitan.tools.logging import init_logger, logger
+from torchtitan.tools.memory_breakdown import build_memory_breakdown
 from torchtitan.tools.utils import GarbageCollection, get_device, set_determinism
 from torchtitan.train_spec import build_model_args, get_train_spec
 
@@ -101,6 +102,8 @@ class Trainer:
         flops = self.train_spec.flops_per_image_fn(self.model_args)
         self.meter = ThroughputMeter(self.device, flops, self.global_batch, self.world_size)
         self.profiler = Profiler(cfg.profiling, self.dump_folder, self.rank, self.device)
+        self.breakdown = build_memory_breakdown(cfg.profiling, self.model, self.optimizer, self.device, self.ema,
+                                                self.private, self.dump_folder, self.rank)  # fmt: skip
         self.autocast = self.device.type == "cuda" and not self.parallel_dims.fsdp_enabled
         self.autocast = self.autocast and cfg.training.mixed_precision_param == "bfloat16"
         self.sdpa_backends = [SDPA_BACKENDS[name] for name in cfg.model.sdpa_backends]
@@ -182,12 +185,16 @@ class Trainer:
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             mask = mask[0].to(self.device) if mask else None
             self.meter.data_time += time.perf_counter() - data_start
-            losses, _ = self.forward_losses(x, y, step, micro)
-            if self.private is not None:
-                self.private.backward(losses, mask, last_micro_batch=micro == self.grad_accum_steps - 1)
-            else:
-                # Sum over this rank / global batch: the data-parallel mean (DDP/FSDP) then gives the global mean.
-                (losses.sum() * self.dp_degree / self.global_batch).backward()
+            with self.breakdown.maybe_track(step):
+                losses, _ = self.forward_losses(x, y, step, micro)
+            self.breakdown.maybe_record("forward", step)
+            with self.breakdown.maybe_track(step):
+                if self.private is not None:
+                    self.private.backward(losses, mask, last_micro_batch=micro == self.grad_accum_steps - 1)
+                else:
+                    # Sum over this rank / global batch: the data-parallel mean (DDP/FSDP) then gives the global mean.
+                    (losses.sum() * self.dp_degree / self.global_batch).backward()
+            self.breakdown.maybe_record("backward", step)
             loss_sum += (losses.detach() if mask is None else losses.detach() * mask).sum()
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
@@ -197,8 +204,10 @@ class Trainer:
             torch.nn.utils.clip_grads_with_norm_(params, self.job_config.training.max_norm, grad_norm, foreach=True)
         lr = self.lr_scheduler.get_last_lr()[0]
         self.optimizer.step()
+        self.breakdown.maybe_record("optimizer_step", step)
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.breakdown.maybe_record("zero_grad", step)
         if getattr(self.model, "float8_fsdp_all_gather", False):
             from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 

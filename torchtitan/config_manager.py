@@ -49,6 +49,12 @@ class Profiling:
     """Record CUDA allocation history and dump snapshots (GPU only)."""
     save_memory_snapshot_folder: str = "memory_snapshot"
     """Snapshots go to <dump_folder>/<this>/iteration_N."""
+    enable_memory_breakdown: bool = False
+    """Record the bytes of parameters, gradients, optimizer states, EMA, DP buffers and activations after
+    init, forward, backward, the optimizer step and zero_grad of the first steps; written to the run folder
+    as memory_breakdown.json and .png (torchtitan/tools/memory_breakdown.py)."""
+    memory_breakdown_steps: int = 2
+    """Steps the memory breakdown records (the first of this run, resumed or not)."""
 
 
 @dataclass

@@ -1,0 +1,117 @@
+"""The per-stage memory breakdown on CPU: each part counted from its tensors, consistent across stages."""
+
+import json
+
+import pytest
+import torch
+from PIL import Image
+
+from tests.conftest import ROOT
+from torchtitan.tools.memory_breakdown import PARTS, MemoryBreakdown, measure_breakdown, storage_bytes
+
+ARGS = ["--job.config_file", str(ROOT / "train_configs/debug_model.toml"), "--training.local_batch_size", "8"]
+STAGES = ["init", "forward", "backward", "optimizer_step", "zero_grad"]
+
+
+@pytest.fixture(scope="module")
+def training(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("breakdown")
+    return measure_breakdown([*ARGS, "--job.dump_folder", str(folder)], steps=2), folder
+
+
+def test_stages_and_parts_are_consistent(training):
+    result, _ = training
+    records = result["records"]
+    assert [(r["step"], r["stage"]) for r in records] == [(0, "init")] + [(s, n) for s in (1, 2) for n in STAGES[1:]]
+    by = {(r["step"], r["stage"]): r for r in records}
+    params = by[(0, "init")]["parameters"]
+    assert params == 4 * 1_272_324  # the debug flavor's fp32 parameters, one storage each
+    assert all(r["parameters"] == params and r["ema"] == params for r in records)
+    # Gradients exist from backward to zero_grad; AdamW's states from the first step on (+ a 4 B step counter each).
+    for r in records:
+        has_grads = r["stage"] in ("backward", "optimizer_step")
+        assert r["gradients"] == (params if has_grads else 0), r
+    assert by[(1, "forward")]["optimizer_states"] == 0
+    assert by[(1, "optimizer_step")]["optimizer_states"] == 2 * params + 4 * 51
+    assert by[(2, "forward")]["optimizer_states"] == 2 * params + 4 * 51
+    # Activations: what forward keeps for backward, gone once backward has run.
+    for step in (1, 2):
+        assert by[(step, "forward")]["activations"] > 10 * 2**20
+        assert by[(step, "forward")]["saved_for_backward"] <= by[(step, "forward")]["activations"]
+        assert by[(step, "backward")]["activations"] < 1024
+    assert by[(1, "forward")]["activations"] == by[(2, "forward")]["activations"]
+    for r in records:
+        assert r["total"] == sum(r[p] for p in PARTS) and r["fsdp_gathered"] == r["dp_buffers"] == 0
+        assert r["peak"] >= r["total"]
+
+
+def test_json_and_png_are_written(training):
+    result, folder = training
+    assert result["json"] == str(folder / "memory_breakdown.json")
+    saved = json.loads((folder / "memory_breakdown.json").read_text())
+    assert saved["device"] == "cpu" and saved["records"] == result["records"]
+    with Image.open(folder / "memory_breakdown.png") as image:
+        assert image.size[0] > 300 and image.size[1] > 200
+
+
+def test_forward_only_keeps_no_gradients_or_activations(tmp_path, training):
+    result = measure_breakdown([*ARGS, "--job.dump_folder", str(tmp_path)], forward_only=True, steps=2)
+    records = result["records"]
+    assert [r["stage"] for r in records] == ["init", "forward", "forward"]
+    assert all(r["gradients"] == 0 and r["optimizer_states"] == 0 for r in records)
+    assert all(r["activations"] < 1024 for r in records)  # no_grad: nothing is kept for a backward
+    train_forward = training[0]["records"][1]
+    for r in records[1:]:
+        assert r["total"] < r["peak"] < train_forward["total"]  # transient tensors only, fewer than training keeps
+    assert (tmp_path / "memory_breakdown_forward.json").is_file()
+    assert (tmp_path / "memory_breakdown_forward.png").is_file()
+
+
+def test_dp_buffers_and_shared_storages():
+    """DP buffers reported as tensors leave activations; a storage shared by two parts counts once."""
+    model = torch.nn.Linear(16, 16)
+    optimizer = torch.optim.AdamW(model.parameters())
+    buffers = []
+    breakdown = MemoryBreakdown(model, optimizer, torch.device("cpu"), dp_buffer_bytes=lambda: buffers)
+    x = torch.randn(4, 16)
+    with breakdown.track():
+        out = model(x)
+        buffers.append(torch.zeros(4, 16))  # e.g. per-sample norms captured during forward
+    record = breakdown.record("forward", 1)
+    assert record["dp_buffers"] == 4 * 16 * 4
+    assert record["activations"] == storage_bytes([out])  # the output; the input is saved but not created here
+    assert record["parameters"] == (16 * 16 + 16) * 4
+    model.weight.grad = model.weight.data  # aliases the parameter: counted as a parameter only
+    assert breakdown.record("alias", 1)["gradients"] == 0
+    counted = MemoryBreakdown(model, optimizer, torch.device("cpu"), dp_buffer_bytes=lambda: 123).record("x")
+    assert counted["dp_buffers"] == 123
+
+
+def test_trainer_hook_records_the_first_steps_then_writes(tmp_path):
+    """build_memory_breakdown() as train.py would call it: records the run's first N steps, then writes."""
+    from types import SimpleNamespace
+
+    from torchtitan.tools.memory_breakdown import build_memory_breakdown
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+    optimizer = torch.optim.AdamW(model.parameters())
+    config = SimpleNamespace(enable_memory_breakdown=True, memory_breakdown_steps=2)
+    hook = build_memory_breakdown(config, model, optimizer, torch.device("cpu"), None, None, tmp_path, rank=0)
+    for step in range(5, 8):  # the trainer's loop, steps counted from 0 (here resumed at 5)
+        with hook.maybe_track(step):
+            loss = model(torch.randn(4, 8)).square().mean()
+        hook.maybe_record("forward", step)
+        with hook.maybe_track(step):
+            loss.backward()
+        hook.maybe_record("backward", step)
+        optimizer.step()
+        hook.maybe_record("optimizer_step", step)
+        optimizer.zero_grad(set_to_none=True)
+        hook.maybe_record("zero_grad", step)
+    records = json.loads((tmp_path / "memory_breakdown.json").read_text())["records"]
+    assert [(r["step"], r["stage"]) for r in records] == [(0, "init")] + [(s, n) for s in (6, 7) for n in STAGES[1:]]
+    assert (tmp_path / "memory_breakdown.png").is_file()
+    off = build_memory_breakdown(SimpleNamespace(), model, optimizer, torch.device("cpu"), None, None, tmp_path, 0)
+    with off.maybe_track(0):
+        off.maybe_record("forward", 0)  # no keys in the config: nothing happens
+    assert off.breakdown is None
