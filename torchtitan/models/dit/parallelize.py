@@ -43,8 +43,3 @@ def parallelize_dit(model: nn.Module, parallel_dims: ParallelDims, job_config) -
         apply_ddp(model, parallel_dims.mesh["dp_replicate"], compiled=job_config.compile.enable)
         logger.info("applied DDP (replicate) to the model")
     return model
-
-
-def uses_fsdp_mixed_precision(parallel_dims: ParallelDims, job_config) -> bool:
-    """FSDP casts parameters itself; single-device and DDP runs use autocast instead."""
-    return parallel_dims.fsdp_enabled and job_config.training.mixed_precision_param != "float32"
