@@ -79,7 +79,6 @@ class Trainer:
             logger.info("CPU run: training.mixed_precision_param set to float32")
         set_determinism(cfg.debug.seed, cfg.debug.deterministic)
         self.gc = GarbageCollection(cfg.training.gc_freq)
-        self._step_draws = (-1, ())  # (step, (timesteps, noise, label drops)) of the global batch
 
         self.train_spec = get_train_spec(cfg.model.name)
         self.model_args = build_model_args(self.train_spec, cfg.model)
@@ -149,20 +148,16 @@ class Trainer:
         by rank in the sampler's interleaved order, so a sample gets the same noise whatever the
         number of ranks: 1 process and N processes at the same global batch see the same losses.
         """
+        shape = (self.model_args.in_channels, self.model_args.input_size, self.model_args.input_size)
+        generator = torch.Generator(self.device).manual_seed(self.job_config.debug.seed * 1_000_003 + step)
         world_micro = batch * self.dp_degree
-        if self._step_draws[0] != step:  # one draw per optimizer step, sliced by every micro-batch
-            shape = (self.model_args.in_channels, self.model_args.input_size, self.model_args.input_size)
-            generator = torch.Generator(self.device).manual_seed(self.job_config.debug.seed * 1_000_003 + step)
-            total = world_micro * self.grad_accum_steps
-            t = self.diffusion.sample_timesteps(total, self.device, generator)
-            noise = torch.randn((total, *shape), device=self.device, generator=generator)
-            drop = (
-                torch.rand(total, device=self.device, generator=generator)
-                < self.job_config.diffusion.class_dropout_prob
-            )
-            self._step_draws = (step, (t, noise, drop))
+        total = world_micro * self.grad_accum_steps
+        t = self.diffusion.sample_timesteps(total, self.device, generator)
+        noise = torch.randn((total, *shape), device=self.device, generator=generator)
+        drop = torch.rand(total, device=self.device, generator=generator) < self.job_config.diffusion.class_dropout_prob
         window = slice(micro * world_micro, (micro + 1) * world_micro)
-        return tuple(draw[window][self.dp_rank :: self.dp_degree] for draw in self._step_draws[1])
+        return t[window][self.dp_rank :: self.dp_degree], noise[window][self.dp_rank :: self.dp_degree], \
+            drop[window][self.dp_rank :: self.dp_degree]  # fmt: skip
 
     def forward_losses(self, x: torch.Tensor, y: torch.Tensor, step: int, micro: int):
         t, noise, drop = self.step_randomness(step, micro, x.shape[0])
