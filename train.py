@@ -289,6 +289,7 @@ class Trainer:
         self.profiler.close()
         self.metrics.close()
         if dist.is_initialized():
+            dist.barrier()  # every rank reaches teardown before gloo/NCCL is destroyed (avoids an abort at exit)
             dist.destroy_process_group()
 
 
