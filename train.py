@@ -80,6 +80,7 @@ class Trainer:
         set_determinism(cfg.debug.seed, cfg.debug.deterministic)
         self.gc = GarbageCollection(cfg.training.gc_freq)
 
+        self.augmult = cfg.dp.augmult if cfg.dp.enable else 1
         self.train_spec = get_train_spec(cfg.model.name)
         self.model_args = build_model_args(self.train_spec, cfg.model)
         self.model = self.build_model()
@@ -99,7 +100,8 @@ class Trainer:
                                               extra={"dp": self.private} if self.private else None)  # fmt: skip
         self.step = self.checkpointer.maybe_load()
         self.metrics = MetricsLogger(cfg, self.dump_folder, self.rank)
-        flops = self.train_spec.flops_per_image_fn(self.model_args)
+        # An image costs K forward/backward passes with augmult: MFU counts them, images/s counts images.
+        flops = self.train_spec.flops_per_image_fn(self.model_args) * self.augmult
         self.meter = ThroughputMeter(self.device, flops, self.global_batch, self.world_size)
         self.profiler = Profiler(cfg.profiling, self.dump_folder, self.rank, self.device)
         self.breakdown = build_memory_breakdown(cfg.profiling, self.model, self.optimizer, self.device, self.ema,
@@ -142,7 +144,8 @@ class Trainer:
             logger.info("resolved config:\n" + to_toml(self.job_config))
 
     def step_randomness(self, step: int, micro: int, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Timesteps, noise and label-drop mask of this rank's samples for one micro-batch.
+        """Timesteps, noise and label-drop mask of this rank's samples for one micro-batch, K = augmult
+        draws per sample (its rows consecutive): (batch K,), (batch K, C, H, W), (batch K,).
 
         Drawn for the whole global micro-batch from a generator seeded by (seed, step), then sliced
         by rank in the sampler's interleaved order, so a sample gets the same noise whatever the
@@ -150,23 +153,33 @@ class Trainer:
         """
         shape = (self.model_args.in_channels, self.model_args.input_size, self.model_args.input_size)
         generator = torch.Generator(self.device).manual_seed(self.job_config.debug.seed * 1_000_003 + step)
-        world_micro = batch * self.dp_degree
+        world_micro, k = batch * self.dp_degree, self.augmult
         total = world_micro * self.grad_accum_steps
-        t = self.diffusion.sample_timesteps(total, self.device, generator)
-        noise = torch.randn((total, *shape), device=self.device, generator=generator)
-        drop = torch.rand(total, device=self.device, generator=generator) < self.job_config.diffusion.class_dropout_prob
+        t = self.diffusion.sample_timesteps(total * k, self.device, generator).view(total, k)
+        noise = torch.randn((total, k, *shape), device=self.device, generator=generator)
+        drop = torch.rand(total * k, device=self.device, generator=generator).view(total, k)
+        drop = drop < self.job_config.diffusion.class_dropout_prob
         window = slice(micro * world_micro, (micro + 1) * world_micro)
-        return t[window][self.dp_rank :: self.dp_degree], noise[window][self.dp_rank :: self.dp_degree], \
-            drop[window][self.dp_rank :: self.dp_degree]  # fmt: skip
+
+        def mine(draws: torch.Tensor) -> torch.Tensor:  # this rank's samples of this micro-batch
+            return draws[window][self.dp_rank :: self.dp_degree].flatten(0, 1)
+
+        return mine(t), mine(noise), mine(drop)
 
     def forward_losses(self, x: torch.Tensor, y: torch.Tensor, step: int, micro: int):
+        """Per-sample losses (B,), or (B, K) with dp.augmult K: each sample's K draws in rows of one forward."""
         t, noise, drop = self.step_randomness(step, micro, x.shape[0])
+        if self.augmult > 1:
+            x, y = x.repeat_interleave(self.augmult, 0), y.repeat_interleave(self.augmult, 0)
         if self.model_args.num_classes > 0:
             y = torch.where(drop, torch.full_like(y, self.model_args.num_classes), y)  # CFG's null class
         else:
             y = None
         with self.compute_context():
-            return self.diffusion.training_losses(self.model, x, y, t=t, noise=noise)
+            losses, t_frac = self.diffusion.training_losses(self.model, x, y, t=t, noise=noise)
+        if self.augmult > 1:
+            losses = losses.view(-1, self.augmult)
+        return losses, t_frac
 
     @contextlib.contextmanager
     def compute_context(self):
@@ -195,7 +208,8 @@ class Trainer:
                     # Sum over this rank / global batch: the data-parallel mean (DDP/FSDP) then gives the global mean.
                     (losses.sum() * self.dp_degree / self.global_batch).backward()
             self.breakdown.maybe_record("backward", step)
-            loss_sum += (losses.detach() if mask is None else losses.detach() * mask).sum()
+            losses = losses.detach().mean(1) if losses.dim() == 2 else losses.detach()  # augmult: mean of K
+            loss_sum += (losses if mask is None else losses * mask).sum()
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
         if hasattr(grad_norm, "full_tensor"):

@@ -163,17 +163,60 @@ def test_llama_style_dit_with_activation_checkpointing():
         _assert_matches(model, mode, batch, _dit_loss, ref)
 
 
-def test_mask_augmult_and_accumulation():
+def _augmult_rows(batch: tuple, k: int) -> tuple:
+    """K rows per sample, consecutive: floating inputs get fresh noise per draw (as a diffusion step
+    draws noise and timestep), integer inputs (labels, tokens) repeat."""
+    g = torch.Generator().manual_seed(5)
+    rows = []
+    for b in batch:
+        b = b.repeat_interleave(k, 0)
+        rows.append(b + 0.3 * torch.randn(b.shape, generator=g) if b.is_floating_point() else b)
+    return tuple(rows)
+
+
+@pytest.mark.parametrize("mode", PRIVATE_MODES)
+@pytest.mark.parametrize("model_cls", [Dense2d, Tokens, PatchesAndLabels, "dit"])
+def test_augmult_matches_torch_func(model_cls, mode):
+    """(B, K) losses of a forward on B K rows: sample i's gradient is the mean of its K rows' gradients."""
+    k = 3
+    if model_cls == "dit":
+        model, (x, t, y), loss_fn = _dit(pos_embed="learned"), _dit_batch(3), _dit_loss
+        rows = (*_augmult_rows((x,), k), t.repeat_interleave(k) + torch.arange(3 * k), y.repeat_interleave(k))
+    else:
+        model, loss_fn = _perturb(model_cls()), _mse
+        rows = _augmult_rows(_toy_batches(4)[model_cls], k)
+    grads = per_sample_grads(model, loss_fn, *rows)  # one per row
+    grads = {n: g.unflatten(0, (-1, k)).mean(1) for n, g in grads.items()}  # one per sample
+    max_norm = torch.cat([g.flatten(1) for g in grads.values()], 1).norm(dim=1).median().item()
+    ref, ref_norms = clipped_mean(grads, max_norm)
+    m = copy.deepcopy(model)
+    engine = DPEngine(m, mode, max_norm, 0.0)
+    norms = engine.backward(loss_fn(m(*rows), *rows).unflatten(0, (-1, k)))
+    torch.testing.assert_close(norms, ref_norms, rtol=1e-4, atol=0)
+    for name, p in m.named_parameters():
+        err = ((p.grad - ref[name]).norm() / ref[name].norm()).item()
+        assert err < 1e-4, f"{mode} {name}: relative error {err:.2e}"
+
+
+def test_augmult_needs_k_rows_per_sample():
+    model, batch = _perturb(Tokens()), _toy_batches(6)[Tokens]
+    engine = DPEngine(model, "ghost", 1.0, 0.0)
+    losses = _mse(model(*batch))  # 6 rows, but (3, 2) losses would claim 3 samples x K = 2 ...
+    engine.backward(losses.view(3, 2))  # ... which is consistent; (6, 2) is not:
+    with pytest.raises(RuntimeError, match="rows"):
+        engine.backward(torch.stack([_mse(model(*batch))] * 2, 1))
+
+
+def test_mask_and_accumulation():
     model, batch = _perturb(Tokens()), _toy_batches(6)[Tokens]
     grads = per_sample_grads(model, _mse, *batch)
     keep = torch.tensor([True, True, False, True, False, True])
     ref, _ = clipped_mean({n: g * keep.view(-1, *[1] * (g.dim() - 1)) for n, g in grads.items()}, 0.5, batch_size=4)
     for mode in ("ghost", "bookkeeping"):
-        # Masked rows count neither in the sum nor in B; (B, K) losses are averaged over K first.
+        # Masked rows count neither in the sum nor in B.
         m = copy.deepcopy(model)
         engine = DPEngine(m, mode, 0.5, 0.0)
-        losses = _mse(m(*batch))
-        engine.backward(torch.stack([losses, losses], 1), mask=keep)
+        engine.backward(_mse(m(*batch)), mask=keep)
         for name, p in m.named_parameters():
             torch.testing.assert_close(p.grad, ref[name], rtol=1e-4, atol=1e-7)
         # Two micro-batches of 3, accumulated: B is the global batch of the step.

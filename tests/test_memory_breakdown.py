@@ -115,3 +115,25 @@ def test_trainer_hook_records_the_first_steps_then_writes(tmp_path):
     with off.maybe_track(0):
         off.maybe_record("forward", 0)  # no keys in the config: nothing happens
     assert off.breakdown is None
+
+
+@pytest.mark.parametrize("mode", ["bookkeeping", "flash"])
+def test_dp_buffers_at_the_norm_stage(tmp_path, mode):
+    """Under DP a "dp_norms" stage is recorded inside the engine's backward, when its buffers peak."""
+    dp = ["--dp.enable", "true", "--dp.mode", mode, "--training.ema_decay", "0", "--job.dump_folder", str(tmp_path)]
+    records = measure_breakdown([*ARGS, *dp], steps=1)["records"]
+    assert [r["stage"] for r in records] == ["init", "forward", "dp_norms", "backward", "optimizer_step", "zero_grad"]
+    by = {r["stage"]: r for r in records}
+    assert all(r["dp_buffers"] == 0 for r in records if r["stage"] != "dp_norms")
+    norms = 8 * 4  # (B,) float32
+    if mode == "flash":  # two passes: the second is a normal backward, nothing but the norms is kept
+        assert by["dp_norms"]["dp_buffers"] == norms
+        return
+    # Book-keeping keeps every clipped layer's fp32 output gradient until the weight gradients are formed.
+    # Per sample of the debug DiT (D 128, 64 tokens, MLP 512, 4 blocks): qkv, proj, fc1, fc2 and adaLN per
+    # block; patch embedding, timestep MLP (2), final linear (4 values a token) and adaLN. The label embedding's
+    # output gradient is the timestep MLP's (c = t_emb + y_emb hands one tensor to both): one storage.
+    per_block = 64 * (3 * 128 + 128 + 512 + 128) + 6 * 128
+    per_sample = 4 * per_block + 64 * 128 + 128 + 128 + 64 * 4 + 2 * 128
+    assert by["dp_norms"]["dp_buffers"] == 8 * 4 * per_sample + norms
+    assert by["dp_norms"]["total"] == sum(by["dp_norms"][p] for p in PARTS)

@@ -25,11 +25,13 @@ def test_dp_run_logs_epsilon_and_resumes_exactly(tmp_path):
 
 
 @pytest.mark.slow
-def test_dp_fsdp_matches_one_process(tmp_path):
-    """Noise is drawn once per element of the global gradient: the layout does not change it."""
+@pytest.mark.parametrize("augmult", [1, 3])
+def test_dp_fsdp_matches_one_process(tmp_path, augmult):
+    """Noise is drawn once per element of the global gradient: the layout does not change it. With augmult,
+    each sample's K noise/timestep draws are the same whichever rank holds the sample."""
     seed = tmp_path / "seed"
     run_train([*DP, "--job.dump_folder", str(seed), "--checkpoint.create_seed_checkpoint", "true"])
-    init = ["--checkpoint.initial_load_path", str(seed / "checkpoint" / "step-0")]
+    init = ["--checkpoint.initial_load_path", str(seed / "checkpoint" / "step-0"), "--dp.augmult", str(augmult)]
     run_train([*DP, *init, "--job.dump_folder", str(tmp_path / "one"), "--training.local_batch_size", "16"])
     run_train([*DP, *init, "--job.dump_folder", str(tmp_path / "fsdp"), "--training.local_batch_size", "8"], nproc=2)
     for a, b in zip(read_metrics(tmp_path / "one"), read_metrics(tmp_path / "fsdp")):
@@ -37,12 +39,27 @@ def test_dp_fsdp_matches_one_process(tmp_path):
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
 
 
+@pytest.mark.slow
+def test_dp_with_activation_checkpointing_matches_without(tmp_path):
+    """Recomputation in backward does not re-fire the DP hooks: same clipped, noised steps with AC on."""
+    base = [*DP, "--training.local_batch_size", "16", "--checkpoint.enable", "false", "--dp.mode", "bookkeeping"]
+    runs = {"none": [], "full": ["--activation_checkpoint.mode", "full"],
+            "op": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
+            "ghost_every2": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option",
+                             "2", "--dp.mode", "ghost"]}  # fmt: skip
+    for name, extra in runs.items():
+        run_train([*base, "--job.dump_folder", str(tmp_path / name), *extra])
+    reference = read_metrics(tmp_path / "none")
+    for name in runs:
+        for a, b in zip(reference, read_metrics(tmp_path / name)):
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), name
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), name
+
+
 @pytest.mark.parametrize(
     "extra, fragment",
     [
         (["--compile.enable", "true"], "compile.enable"),
-        (["--activation_checkpoint.mode", "full"], "activation_checkpoint.mode"),
-        (["--dp.augmult", "4"], "dp.augmult"),
         (["--dp.sampling", "poisson", "--training.local_batch_size", "8"], "no gradient accumulation"),
     ],
 )

@@ -76,6 +76,11 @@ class DPEngine:
         self._ddp = dpdist.is_ddp(model)
         self._capture = LayerCapture(model) if mode != "vanilla" else None
         self._captured: frozenset[str] = frozenset()  # modules the first step's hooks saw
+        self._group = 1  # augmult K of the backward in progress: rows per sample
+        self._norm_sq: torch.Tensor | None = None  # the norms being summed (a DP buffer, for the breakdown)
+        # Called with "dp_norms" once per-sample norms exist, while the engine's buffers are at their largest
+        # (book-keeping's kept output gradients): the memory breakdown records a stage there.
+        self.stage_hook = None
 
     def backward(
         self, per_sample_losses: torch.Tensor, mask: torch.Tensor | None = None, add_noise: bool = True
@@ -84,7 +89,8 @@ class DPEngine:
 
         Args:
             per_sample_losses: (B_local,) losses, or (B_local, K) for augmult (K noise/timestep
-                draws per example), averaged over K before clipping.
+                draws per example), averaged over K before clipping. With K > 1 the forward ran on
+                B_local * K rows, the K draws of example i in rows i K ... i K + K - 1.
             mask: optional (B_local,) bool; False rows (padding of a Poisson batch) contribute nothing.
             add_noise: False for all but the last micro-batch of an accumulated step: gradients
                 accumulate into .grad and the noise (and the step counter) come once.
@@ -93,6 +99,7 @@ class DPEngine:
             (B_local,) per-sample gradient norms before clipping; None in "vanilla".
         """
         losses = per_sample_losses.mean(1) if per_sample_losses.dim() == 2 else per_sample_losses
+        self._group = per_sample_losses.shape[1] if per_sample_losses.dim() == 2 else 1
         if losses.dim() != 1:
             raise ValueError(f"per-sample losses must be (B,) or (B, K), got {tuple(per_sample_losses.shape)}")
         keep = None if mask is None else mask.to(device=losses.device, dtype=torch.bool)
@@ -125,6 +132,8 @@ class DPEngine:
                     f"{sorted(self._captured - captured)}, new {sorted(captured - self._captured)}"
                 )
             norms = self._norm_pass(losses, token)
+            if self.stage_hook is not None:
+                self.stage_hook("dp_norms")
             coef = (self.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
             if keep is not None:
                 coef = coef * keep
@@ -134,15 +143,23 @@ class DPEngine:
                 self._bookkeeping_grads(coef / batch)
         finally:
             capture.reset()
+            self._norm_sq = None
         return norms
 
     def _norm_pass(self, losses: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
         """First backward: per-sample norms from every layer's input and output gradient."""
         flash, two_pass = self.mode in _FLASH, self.mode in _TWO_PASS
-        norm_sq = torch.zeros(losses.shape[0], device=losses.device, dtype=torch.float32)
+        norm_sq = self._norm_sq = torch.zeros(losses.shape[0], device=losses.device, dtype=torch.float32)
+        group = self._group
+        rows = losses.shape[0] * group
 
         def on_grad(record: LayerRecord, grad: torch.Tensor) -> None:
-            norm_sq.add_(record.rule.norm_sq(record.module, record.x, grad, record.param_names, flash))
+            if grad.shape[0] != rows:
+                raise RuntimeError(
+                    f"module {record.name} saw {grad.shape[0]} rows for {losses.shape[0]} samples x K = {group} "
+                    "(augmult: the forward must run on B * K rows, each sample's K draws consecutive)"
+                )
+            norm_sq.add_(record.rule.norm_sq(record.module, record.x, grad, record.param_names, flash, group))
             if two_pass:
                 record.x = None  # the second pass is a normal backward: free the input now
             else:
@@ -183,7 +200,8 @@ class DPEngine:
         # Every record, captured or not, in a fixed order: ranks must issue the same collectives.
         for record in self._capture.records:
             if record.x is not None and record.grad is not None:
-                grads = record.rule.grads(record.module, record.x, record.grad, scale, record.param_names)
+                grads = record.rule.grads(record.module, record.x, record.grad, scale, record.param_names,
+                                          self._group)  # fmt: skip
             else:  # the layer did not reach the loss on this rank
                 grads = {n: None for n in record.param_names}
             record.x = record.grad = None  # free the layer's activations as soon as its grads exist
@@ -226,6 +244,14 @@ class DPEngine:
         for group in self._groups:
             size *= group.size()
         return size
+
+    def buffer_tensors(self) -> list[torch.Tensor]:
+        """The engine's own memory now: the norms being summed and book-keeping's kept output gradients.
+
+        Layer inputs are not counted: they are the very tensors autograd saves for backward (activations).
+        """
+        kept = [r.grad for r in self._capture.records if r.grad is not None] if self._capture else []
+        return kept + ([self._norm_sq] if self._norm_sq is not None else [])
 
     def state_dict(self) -> dict:
         """Step counter and seed: restoring them makes the noise of a resumed run exact."""

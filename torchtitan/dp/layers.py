@@ -3,6 +3,9 @@
 A rule turns one module call's input `x` (detached) and output gradient `g` into
 - `norm_sq`: the (B,) squared norms of the per-sample gradients of the module's trainable params;
 - `grads`: sum_i c_i g_i for each trainable param, in the param's full (unsharded) shape.
+With augmult (`group` K > 1) the call ran on B * K rows, K consecutive rows per sample, and a sample's
+gradient is the sum over its K rows (the 1/K of the average is already in `g`): the rules fold the K
+rows into the token dimension, since a per-sample gradient is a sum over tokens anyway.
 Both only read activations and gradients, never the weights, so under FSDP they work after
 the parameters are resharded.
 
@@ -20,8 +23,8 @@ from torch import nn
 
 from torchtitan.dp.flash_kernels import matmul_grad_norm_sq
 
-NormFn = Callable[[nn.Module, torch.Tensor, torch.Tensor, tuple[str, ...], bool], torch.Tensor]
-GradFn = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, tuple[str, ...]], dict[str, torch.Tensor]]
+NormFn = Callable[[nn.Module, torch.Tensor, torch.Tensor, tuple[str, ...], bool, int], torch.Tensor]
+GradFn = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, tuple[str, ...], int], dict[str, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -30,8 +33,9 @@ class LayerRule:
 
     Attributes:
         param_names: the direct parameters the rule knows; any other trainable one is refused.
-        norm_sq: (module, x, g, trainable names, flash) -> (B,) float32 squared per-sample norms.
-        grads: (module, x, g, coef (B,), trainable names) -> {name: sum_i coef_i grad_i}.
+        norm_sq: (module, x, g, trainable names, flash, group) -> (B,) float32 squared per-sample norms.
+        grads: (module, x, g, coef (B,), trainable names, group) -> {name: sum_i coef_i grad_i}.
+            `group` is the augmult K: rows per sample (1 without augmult).
         check: raises if this module's configuration is outside what the rule covers.
         cast_input: under autocast, cast the input to the autocast dtype before the call (a
             forward pre-hook), so the kept input is the very tensor autograd saves: no extra copy.
@@ -76,11 +80,22 @@ def scale_per_sample(t: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
 # Linear and Conv2d: a matmul per token, weight grad A^T G.
 
 
-def linear_operands(module: nn.Module, x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def group_rows(t: torch.Tensor, group: int) -> torch.Tensor:
+    """(B * K, T, ...) -> (B, K * T, ...): a sample's K augmult rows become more tokens of one sample."""
+    if group == 1:
+        return t
+    if t.shape[0] % group:
+        raise ValueError(f"augmult: {t.shape[0]} rows are not a multiple of K = {group}")
+    return t.reshape(t.shape[0] // group, group * t.shape[1], *t.shape[2:])
+
+
+def linear_operands(
+    module: nn.Module, x: torch.Tensor, g: torch.Tensor, group: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(A, G): (B, T, d) inputs and (B, T, p) output grads of a Linear or Conv2d, in g's dtype.
 
     A Conv2d is a Linear on its unfolded patches; with kernel == stride (a patch embedding) the
-    unfold is a reshape of the input.
+    unfold is a reshape of the input. With augmult the K rows of a sample are folded into T.
     """
     B = x.shape[0]
     if isinstance(module, nn.Conv2d):
@@ -91,11 +106,11 @@ def linear_operands(module: nn.Module, x: torch.Tensor, g: torch.Tensor) -> tupl
         a = x.reshape(B, -1, x.shape[-1])  # (B, T, d): (B, d) inputs are T = 1
         g = g.reshape(B, -1, g.shape[-1])  # (B, T, p)
     # Under autocast the layer ran in g's dtype: the input was cast on the way in.
-    return a.to(g.dtype), g
+    return group_rows(a.to(g.dtype), group), group_rows(g, group)
 
 
-def _linear_norm_sq(module, x, g, names, flash):
-    a, g = linear_operands(module, x, g)
+def _linear_norm_sq(module, x, g, names, flash, group):
+    a, g = linear_operands(module, x, g, group)
     out = torch.zeros(a.shape[0], device=a.device, dtype=torch.float32)
     if "weight" in names:
         out += matmul_grad_norm_sq(a, g, flash)
@@ -104,8 +119,8 @@ def _linear_norm_sq(module, x, g, names, flash):
     return out
 
 
-def _linear_grads(module, x, g, coef, names):
-    a, g = linear_operands(module, x, g)
+def _linear_grads(module, x, g, coef, names, group):
+    a, g = linear_operands(module, x, g, group)
     grads = {}
     if "weight" in names:
         # One matmul for the whole batch, A^T diag(c) G over all B*T rows; c scales the smaller operand.
@@ -127,17 +142,17 @@ def _check_conv2d(module: nn.Conv2d) -> None:
 # Embedding: a scatter of the output grads into the rows of the looked-up indices.
 
 
-def _embedding_operands(module, idx, g):
-    B = idx.shape[0]
-    idx = idx.reshape(B, -1)  # (B, T)
-    g = g.reshape(B, idx.shape[1], -1)  # (B, T, D)
+def _embedding_operands(module, idx, g, group):
+    rows = idx.shape[0]
+    idx = group_rows(idx.reshape(rows, -1), group)  # (B, K T)
+    g = group_rows(g.reshape(rows, -1, g.shape[-1]), group)  # (B, K T, D)
     if module.padding_idx is not None:  # the padding row never receives a gradient
         g = g * (idx != module.padding_idx).unsqueeze(-1).to(g.dtype)
     return idx, g
 
 
-def _embedding_norm_sq(module, idx, g, names, flash):
-    idx, g = _embedding_operands(module, idx, g)
+def _embedding_norm_sq(module, idx, g, names, flash, group):
+    idx, g = _embedding_operands(module, idx, g, group)
     g = g.float()
     if idx.shape[1] == 1:
         return g.square().sum((1, 2))
@@ -146,8 +161,8 @@ def _embedding_norm_sq(module, idx, g, names, flash):
     return (torch.bmm(g, g.mT) * same).sum((1, 2))
 
 
-def _embedding_grads(module, idx, g, coef, names):
-    idx, g = _embedding_operands(module, idx, g)
+def _embedding_grads(module, idx, g, coef, names, group):
+    idx, g = _embedding_operands(module, idx, g, group)
     g = scale_per_sample(g, coef)
     grad = torch.zeros(module.num_embeddings, g.shape[-1], device=g.device, dtype=g.dtype)
     return {"weight": grad.index_add_(0, idx.flatten(), g.flatten(0, 1))}
@@ -173,14 +188,14 @@ def _normalized_input(module, x):
     return x_hat.reshape(x.shape[0], -1, math.prod(shape))
 
 
-def _affine_norm_per_sample(module, x, g):
-    x_hat = _normalized_input(module, x)  # (B, T, N)
+def _affine_norm_per_sample(module, x, g, group):
+    x_hat = _normalized_input(module, x)  # (B K, T, N)
     g = g.reshape(x_hat.shape).float()
-    return x_hat, g
+    return group_rows(x_hat, group), group_rows(g, group)  # (B, K T, N)
 
 
-def _affine_norm_norm_sq(module, x, g, names, flash):
-    x_hat, g = _affine_norm_per_sample(module, x, g)
+def _affine_norm_norm_sq(module, x, g, names, flash, group):
+    x_hat, g = _affine_norm_per_sample(module, x, g, group)
     out = torch.zeros(x_hat.shape[0], device=x_hat.device, dtype=torch.float32)
     if "weight" in names:
         out += (g * x_hat).sum(1).square().sum(1)
@@ -189,8 +204,8 @@ def _affine_norm_norm_sq(module, x, g, names, flash):
     return out
 
 
-def _affine_norm_grads(module, x, g, coef, names):
-    x_hat, g = _affine_norm_per_sample(module, x, g)
+def _affine_norm_grads(module, x, g, coef, names, group):
+    x_hat, g = _affine_norm_per_sample(module, x, g, group)
     g = scale_per_sample(g, coef)
     shape = tuple(module.normalized_shape)
     grads = {}
@@ -204,21 +219,22 @@ def _affine_norm_grads(module, x, g, coef, names):
 # A parameter added to the input (learned position table): per-sample grad = output grad summed to its shape.
 
 
-def _additive_per_sample(module, g):
+def _additive_per_sample(module, g, group):
     weight_shape = module.weight.shape
     if weight_shape[0] != 1:
         raise ValueError(
             f"additive DP rule needs a parameter broadcast over the batch, got shape {tuple(weight_shape)}"
         )
-    return g.sum_to_size(g.shape[0], *weight_shape[1:])  # (B, *weight_shape[1:])
+    per_row = g.sum_to_size(g.shape[0], *weight_shape[1:])  # (B K, *weight_shape[1:])
+    return per_row.unflatten(0, (-1, group)).sum(1)  # (B, *weight_shape[1:])
 
 
-def _additive_norm_sq(module, x, g, names, flash):
-    return _additive_per_sample(module, g).float().square().flatten(1).sum(1)
+def _additive_norm_sq(module, x, g, names, flash, group):
+    return _additive_per_sample(module, g, group).float().square().flatten(1).sum(1)
 
 
-def _additive_grads(module, x, g, coef, names):
-    per_sample = scale_per_sample(_additive_per_sample(module, g), coef)
+def _additive_grads(module, x, g, coef, names, group):
+    per_sample = scale_per_sample(_additive_per_sample(module, g, group), coef)
     return {"weight": per_sample.sum(0, keepdim=True).view(module.weight.shape)}
 
 

@@ -75,13 +75,8 @@ def check_dp_config(job_config, source: str) -> str | None:
         return None
     if job_config.compile.enable:
         return f"dp.enable with compile.enable in {source}: the engine's per-layer hooks need eager blocks"
-    if job_config.activation_checkpoint.mode != "none":
-        return f"dp.enable with activation_checkpoint.mode in {source}: recomputation would re-fire the DP hooks"
     if job_config.quantize.linear.float8.enable:
         return f"dp.enable with quantize.linear.float8 in {source}: float8 layers have no per-sample rule"
-    if dp.augmult > 1:
-        return (f"dp.augmult = {dp.augmult} in {source}: the engine's per-layer rules take one row per example, "
-                "so K draws per example cannot be averaged before clipping yet; use 1")  # fmt: skip
     if dp.target_epsilon < 0 or not math.isfinite(dp.target_epsilon):
         return f"dp.target_epsilon = {dp.target_epsilon} in {source}: must be >= 0"
     if not 0 < dp.delta < 1:

@@ -17,6 +17,7 @@ The bytes that autograd saves for backward (saved_tensors_hooks, unique storages
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import os
@@ -289,6 +290,7 @@ def breakdown_step(trainer, breakdown: MemoryBreakdown, step: int, forward_only:
             continue
         with breakdown.track():
             if trainer.private is not None:
+                trainer.private.engine.stage_hook = functools.partial(breakdown.record, step=step)
                 trainer.private.backward(losses, mask, last_micro_batch=micro == trainer.grad_accum_steps - 1)
             else:
                 (losses.sum() * trainer.dp_degree / trainer.global_batch).backward()
@@ -322,8 +324,9 @@ class StepBreakdown:
     after forward, backward, the optimizer step and zero_grad; both do nothing once the steps are done.
     """
 
-    def __init__(self, breakdown: MemoryBreakdown | None, steps: int, folder: Path, rank: int):
+    def __init__(self, breakdown: MemoryBreakdown | None, steps: int, folder: Path, rank: int, private=None):
         self.breakdown, self.steps, self.folder, self.rank = breakdown, steps, Path(folder), rank
+        self.engine = getattr(private, "engine", None)  # DP: records a "dp_norms" stage inside its backward
         self.first_step = None
         if breakdown is not None:
             breakdown.record("init", 0)
@@ -335,7 +338,10 @@ class StepBreakdown:
         return step < self.first_step + self.steps
 
     def maybe_track(self, step: int):
-        return self.breakdown.track() if self._active(step) else contextlib.nullcontext()
+        active = self._active(step)
+        if self.engine is not None:
+            self.engine.stage_hook = functools.partial(self.breakdown.record, step=step + 1) if active else None
+        return self.breakdown.track() if active else contextlib.nullcontext()
 
     def maybe_record(self, stage: str, step: int) -> None:
         if not self._active(step):
@@ -355,7 +361,7 @@ def build_memory_breakdown(profiling_config, model, optimizer, device, ema, priv
     enabled = getattr(profiling_config, "enable_memory_breakdown", False)
     steps = getattr(profiling_config, "memory_breakdown_steps", 2)
     breakdown = MemoryBreakdown(model, optimizer, device, ema, dp_buffer_reporter(private)) if enabled else None
-    return StepBreakdown(breakdown, steps, dump_folder, rank)
+    return StepBreakdown(breakdown, steps, dump_folder, rank, private)
 
 
 def measure_breakdown(job_config_args: list[str], forward_only: bool = False, steps: int = 2,
