@@ -25,6 +25,7 @@ from torchtitan.diffusion import build_diffusion, sample_images
 from torchtitan.dp.training import PrivateTraining, check_dp_config
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.utils import torch_dtype
+from torchtitan.tools.batch_size_finder import resolve_local_batch_size
 from torchtitan.tools.images import save_image_grid
 from torchtitan.tools.logging import init_logger, logger
 from torchtitan.tools.memory_breakdown import build_memory_breakdown
@@ -65,6 +66,9 @@ class Trainer:
             init_distributed(self.device, self.world_size)
         self.parallel_dims.build_mesh(self.device.type)
         self.dp_rank, self.dp_degree = self.parallel_dims.dp_rank(), self.parallel_dims.dp_degree
+        # "auto" becomes a number before the model and data exist (one process: fresh-process probes).
+        cfg.training.local_batch_size = resolve_local_batch_size(cfg, self.world_size, self.dp_degree,
+                                                                 self.device.type)  # fmt: skip
         self.grad_accum_steps = check_batch_sizes(cfg, self.dp_degree)
         source = cfg.job.config_file or "the defaults"
         dp_refusal = check_dp_config(cfg, source)

@@ -157,7 +157,7 @@ def already_done(run_dir: Path) -> bool:
 
 def autotune(spec: RunSpec, args, extra: list[str]) -> RunSpec | None:
     """The spec at the largest batch the finder runs, or None (status OOM recorded) if batch 1 does not fit."""
-    from scripts.find_max_batch_size import find_max_local_batch_size
+    from torchtitan.tools.batch_size_finder import find_max_local_batch_size
 
     found_file = Path(args.output_dir) / "autotune" / f"{spec.name}.json"
     if found_file.is_file() and not args.force:  # the search is the expensive part: keep its answer

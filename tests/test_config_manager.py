@@ -67,6 +67,33 @@ def test_bad_cli_values():
         parse_args(["--job.config_file", "/nonexistent/job.toml"])
 
 
+def test_local_batch_size_auto_or_a_number(tmp_path):
+    toml = write(tmp_path, "[training]\nlocal_batch_size = 'auto'\n")
+    assert parse_args(["--job.config_file", toml]).training.local_batch_size == "auto"
+    assert parse_args(["--job.config_file", toml, "--training.local_batch_size", "6"]).training.local_batch_size == 6
+    assert parse_args(["--training.local_batch_size", "auto"]).training.local_batch_size == "auto"
+    cfg = parse_args(["--job.config_file", write(tmp_path, "[training]\nlocal_batch_size = 12\n")])
+    assert cfg.training.local_batch_size == 12
+    auto = parse_args(["--job.config_file", toml])
+    again = parse_args(["--job.config_file", write(tmp_path, to_toml(auto))])
+    assert again.training == auto.training  # "auto" survives the resolved config.toml
+
+
+@pytest.mark.parametrize("value, fragments", [
+    ("-3", ["training.local_batch_size = -3", "job.toml", "> 0 or 'auto'"]),
+    ("0", ["training.local_batch_size = 0", "job.toml"]),
+    ("'big'", ["training.local_batch_size = 'big'", "job.toml", "int or 'auto'"]),
+    ("2.5", ["training.local_batch_size = 2.5", "job.toml", "int or 'auto'"]),
+])  # fmt: skip
+def test_bad_local_batch_size_names_key_and_file(tmp_path, value, fragments):
+    with pytest.raises(ConfigError) as err:
+        parse_args(["--job.config_file", write(tmp_path, f"[training]\nlocal_batch_size = {value}\n")])
+    for fragment in fragments:
+        assert fragment in str(err.value)
+    with pytest.raises(ConfigError, match="training.local_batch_size = 'big' in the command line: expected int or"):
+        parse_args(["--training.local_batch_size", "big"])
+
+
 def test_global_batch_divisibility():
     cfg = JobConfig()
     cfg.training.local_batch_size, cfg.training.global_batch_size = 8, 64
@@ -94,3 +121,4 @@ def test_help_lists_every_key():
     for key in keys:
         assert key in out
     assert "Gradient clipping norm" in out  # field docstrings are the help text
+    assert "--training.local_batch_size INT|AUTO" in out

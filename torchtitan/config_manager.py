@@ -6,6 +6,7 @@ docstring is the help text `train.py --help` prints.
 
 import argparse
 import ast
+import contextlib
 import dataclasses
 import functools
 import sys
@@ -175,8 +176,10 @@ class Training:
     """Local folder of the dataset (imagefolder, cifar10, latents)."""
     image_size: int = 0
     """Image size after resize/crop; 0 uses model input_size."""
-    local_batch_size: int = 32
-    """Micro-batch per rank per forward."""
+    local_batch_size: int | typing.Literal["auto"] = 32
+    """Micro-batch per rank per forward, or 'auto': the largest that fits the GPU (one process: probed in
+    fresh processes, estimate then bisection; torchrun: the memory estimate), rounded down to divide
+    global_batch_size / data-parallel degree when that is set (torchtitan/tools/batch_size_finder.py)."""
     global_batch_size: int = -1
     """Images per optimizer step over all ranks; -1 = local x data-parallel degree (no accumulation)."""
     steps: int = 1000
@@ -385,10 +388,28 @@ def _leaf_fields(cls: type, prefix: str = ""):
             yield key, f, ftype, cls
 
 
+def _type_name(ftype) -> str:
+    """How help and errors name a field's type: 'int', 'list', "int or 'auto'"."""
+    if typing.get_origin(ftype) is typing.Union:
+        return " or ".join(_type_name(arg) for arg in typing.get_args(ftype))
+    if typing.get_origin(ftype) is typing.Literal:
+        return " or ".join(repr(word) for word in typing.get_args(ftype))
+    return "list" if typing.get_origin(ftype) is list else getattr(ftype, "__name__", str(ftype))
+
+
 def _convert(value, ftype, key: str, source: str):
     """Converts a TOML or CLI value to the field's type, naming key and source on failure."""
-    expected = getattr(ftype, "__name__", str(ftype))
-    if ftype is bool:
+    expected = _type_name(ftype)
+    if typing.get_origin(ftype) is typing.Union:  # e.g. int | Literal["auto"]: a listed word, else a number
+        words = [w for arg in typing.get_args(ftype) if typing.get_origin(arg) is typing.Literal
+                 for w in typing.get_args(arg)]  # fmt: skip
+        if value in words:
+            return value
+        for arg in typing.get_args(ftype):
+            if typing.get_origin(arg) is not typing.Literal:
+                with contextlib.suppress(ConfigError):
+                    return _convert(value, arg, key, source)
+    elif ftype is bool:
         if isinstance(value, bool):
             return value
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
@@ -453,8 +474,8 @@ def _build_parser(fields: dict) -> argparse.ArgumentParser:
             groups[section] = parser.add_argument_group(f"[{section}]")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         doc = _field_docs(owner).get(f.name, "")
-        type_name = "list" if typing.get_origin(ftype) is list else ftype.__name__
-        groups[section].add_argument(f"--{key}", dest=key, default=None, metavar=type_name.upper(),
+        metavar = _type_name(ftype).replace(" or ", "|").replace("'", "").upper()
+        groups[section].add_argument(f"--{key}", dest=key, default=None, metavar=metavar,
                                      help=f"{doc} (default: {default!r})")  # fmt: skip
     return parser
 

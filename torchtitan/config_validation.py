@@ -63,8 +63,11 @@ def validate(cfg, source: str) -> None:
         obj = cfg
         for part in key.split("."):
             obj = getattr(obj, part)
+        if key == "training.local_batch_size" and obj == "auto":  # resolved by the trainer (batch_size_finder)
+            continue
         if obj <= 0:
-            raise ConfigError(f"{key} = {obj} in {source}: must be > 0")
+            auto = " or 'auto'" if key == "training.local_batch_size" else ""
+            raise ConfigError(f"{key} = {obj} in {source}: must be > 0{auto}")
     if not 0.0 <= cfg.training.ema_decay < 1.0:
         raise ConfigError(f"training.ema_decay = {cfg.training.ema_decay} in {source}: must be in [0, 1)")
     if not 0.0 <= cfg.diffusion.class_dropout_prob < 1.0:

@@ -1,0 +1,158 @@
+"""The batch-size finder: finds a planted memory limit in O(log) probes; one real probe in a fresh process;
+`--training.local_batch_size auto` resolved by probing (one process), by the estimate (several) or refused (CPU)."""
+
+import logging
+import math
+
+import pytest
+
+from tests.conftest import ROOT, run_train
+from torchtitan.config_manager import ConfigError, parse_args
+from torchtitan.tools.batch_size_finder import (
+    ESTIMATE_HEADROOM,
+    Probe,
+    ProbeFailed,
+    benchmark_probe,
+    find_max_batch_size,
+    find_max_local_batch_size,
+    largest_divisor_at_most,
+    resolve_local_batch_size,
+)
+from torchtitan.tools.logging import logger
+from torchtitan.tools.memory_estimate import estimate_from_job_config
+
+DEBUG = str(ROOT / "train_configs/debug_model.toml")
+GIB = 1024**3
+
+
+def planted(limit: int, calls: list[int]):
+    """A fake run that 'runs out of memory' above `limit`."""
+
+    def probe(batch: int) -> Probe:
+        calls.append(batch)
+        return Probe(batch, "ok" if batch <= limit else "OOM", peak_memory_gib=batch / 10)
+
+    return probe
+
+
+def never(batch: int) -> Probe:
+    raise AssertionError(f"probed batch {batch}")
+
+
+@pytest.mark.parametrize("start", [1, 16, 37, 40, 64, 500, 10_000])
+def test_finds_the_planted_limit_in_log_probes(start):
+    calls = []
+    best, history = find_max_batch_size(planted(37, calls), start, limit=4096)
+    assert best == 37
+    assert [p.batch for p in history] == calls and len(set(calls)) == len(calls)  # no batch probed twice
+    assert len(calls) <= 2 * math.ceil(math.log2(max(start, 37))) + 2
+
+
+@pytest.mark.parametrize("limit", [0, 1, 2, 100, 4096])
+def test_edges(limit):
+    best, history = find_max_batch_size(planted(limit, []), 32, limit=4096)
+    assert best == limit
+    assert len(history) <= 2 * 12 + 2
+
+
+def test_multiple_of_and_upper_limit():
+    best, _ = find_max_batch_size(planted(37, []), 8, limit=4096, multiple_of=8)
+    assert best == 32
+    best, history = find_max_batch_size(planted(10**6, []), 8, limit=100)
+    assert best == 100 and max(p.batch for p in history) == 100
+
+
+def test_a_failure_that_is_not_oom_stops_the_search():
+    def broken(batch):
+        return Probe(batch, "failed (2)")
+
+    with pytest.raises(ProbeFailed, match="batch 16"):
+        find_max_batch_size(broken, 16)
+
+
+def test_start_comes_from_the_estimate():
+    calls = []
+    result = find_max_local_batch_size(DEBUG, [], memory_gib=0.1, probe=planted(37, calls))
+    # The debug model's estimate allows a few hundred images in 0.1 GiB; the probes then bisect down to 37.
+    assert result["start"] > 37 and calls[0] == result["start"]
+    assert result["batch"] == 37 and result["peak_memory_gib"] == pytest.approx(3.7)
+    assert [p["batch"] for p in result["probes"]] == calls
+
+
+def test_script_keeps_its_names():
+    import scripts.find_max_batch_size as script
+
+    assert script.find_max_batch_size is find_max_batch_size
+    assert script.find_max_local_batch_size is find_max_local_batch_size
+
+
+def test_real_probe_runs_in_a_fresh_process_at_a_concrete_batch(tmp_path):
+    # The config says "auto": the probe's batch replaces it (on CPU, "auto" would be refused, so a probe
+    # that searched again would fail).
+    config = tmp_path / "auto.toml"
+    config.write_text(ROOT.joinpath("train_configs/debug_model.toml").read_text().replace(
+        "local_batch_size = 64", "local_batch_size = 'auto'"))  # fmt: skip
+    assert parse_args(["--job.config_file", str(config)]).training.local_batch_size == "auto"
+    args = ["--training.ema_decay", "0", "--job.dump_folder", str(tmp_path)]
+    outcome = benchmark_probe(str(config), args, steps=1)(4)
+    assert outcome.ok, outcome.status
+    assert outcome.result["global_batch"] == 4
+
+
+def auto_config(*args: str):
+    return parse_args(["--job.config_file", DEBUG, "--training.local_batch_size", "auto", *args])
+
+
+def test_largest_divisor_at_most():
+    assert [largest_divisor_at_most(48, b) for b in (1, 5, 7, 23, 24, 37, 48, 100)] == [1, 4, 6, 16, 24, 24, 48, 48]
+    assert largest_divisor_at_most(13, 12) == 1
+
+
+def test_auto_on_one_gpu_probes_from_the_estimate():
+    calls = []
+    batch = resolve_local_batch_size(auto_config(), 1, 1, "cuda", memory_bytes=GIB // 10, probe=planted(37, calls))
+    assert batch == 37
+    assert calls[0] > 37 and len(calls) <= 2 * math.ceil(math.log2(calls[0])) + 2
+
+
+def test_auto_with_a_global_batch_divides_it(caplog):
+    cfg = auto_config("--training.global_batch_size", "96")
+    calls = []
+    logger.addHandler(caplog.handler)  # the project logger does not propagate to the root logger
+    try:
+        with caplog.at_level(logging.INFO, logger.name):
+            batch = resolve_local_batch_size(cfg, 1, 2, "cuda", memory_bytes=GIB // 10, probe=planted(37, calls))
+    finally:
+        logger.removeHandler(caplog.handler)
+    # 96 / 2 ranks = 48 images per rank per step; 37 fit, the largest divisor of 48 not above it is 24.
+    assert batch == 24 and max(calls) <= 48
+    assert "37 fits" in caplog.text and "using 24" in caplog.text and "2 accumulation steps" in caplog.text
+    assert cfg.training.local_batch_size == "auto"  # the caller stores the answer
+
+
+def test_auto_under_torchrun_takes_the_estimate_without_probing():
+    cfg, memory = auto_config("--training.ema_decay", "0"), 2 * GIB
+    batch = resolve_local_batch_size(cfg, 4, 4, "cuda", memory_bytes=memory, probe=never)
+
+    def peak(b: int) -> int:
+        cfg.training.local_batch_size = b
+        return estimate_from_job_config(cfg, 4).peak
+
+    assert batch > 1 and peak(batch) <= ESTIMATE_HEADROOM * memory < peak(batch + 1)
+
+
+def test_auto_fails_clearly():
+    with pytest.raises(ConfigError, match=r"training.local_batch_size = 'auto' in .*debug_model.toml.*CUDA"):
+        resolve_local_batch_size(auto_config(), 1, 1, "cpu", probe=never)
+    with pytest.raises(ConfigError, match="not even a batch of 1"):
+        resolve_local_batch_size(auto_config(), 1, 1, "cuda", memory_bytes=GIB, probe=planted(0, []))
+    with pytest.raises(ConfigError, match="training.global_batch_size = 30.*degree 4"):
+        resolve_local_batch_size(auto_config("--training.global_batch_size", "30"), 4, 4, "cuda", GIB, never)
+    assert resolve_local_batch_size(parse_args(["--training.local_batch_size", "5"]), 1, 1, "cpu", probe=never) == 5
+
+
+def test_trainer_refuses_auto_on_cpu(tmp_path):
+    result = run_train(["--job.config_file", DEBUG, "--training.local_batch_size", "auto", "--job.dump_folder",
+                        str(tmp_path)], check=False)  # fmt: skip
+    assert result.returncode == 2
+    assert "training.local_batch_size = 'auto'" in result.stderr and "CUDA" in result.stderr

@@ -1,0 +1,256 @@
+"""Largest local batch size that trains: start from the memory estimate, then probe and bisect.
+
+Each probe runs a few real steps in a fresh process (scripts/benchmark.py for one case), so one OOM cannot
+poison the next probe. The search doubles from the start while probes fit (halves while they do not), then
+bisects between the largest batch that ran and the smallest that ran out of memory: O(log(batch)) probes.
+A probe that fails for any other reason stops the search, since a broken config must not pass for a memory
+limit.
+
+Used by scripts/find_max_batch_size.py (the CLI) and by the trainer's `--training.local_batch_size auto`
+(`resolve_local_batch_size`).
+"""
+
+import copy
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from torchtitan.config_validation import ConfigError
+from torchtitan.tools.logging import logger
+
+ROOT = Path(__file__).resolve().parents[2]
+# Under torchrun these describe the parent's process group; a probe is a world of its own.
+_TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                  "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+                  "TORCHELASTIC_USE_AGENT_STORE")  # fmt: skip
+# Share of GPU memory the estimate may fill when it alone picks the batch (several ranks): the estimate
+# is within -6%..+11% of measured peaks (docs/memory.md), and the CUDA context and fragmentation come on top.
+ESTIMATE_HEADROOM = 0.9
+
+
+@dataclass
+class Probe:
+    """One probe's outcome: status "ok", "OOM" or "failed (...)"; peak memory when measured."""
+
+    batch: int
+    status: str
+    peak_memory_gib: float | None = None
+    result: dict = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+class ProbeFailed(RuntimeError):
+    """A probe failed for a reason other than running out of memory."""
+
+
+def find_max_batch_size(probe: Callable[[int], Probe], start: int, limit: int = 4096,
+                        multiple_of: int = 1) -> tuple[int, list[Probe]]:  # fmt: skip
+    """Largest batch (a multiple of `multiple_of`, at most `limit`) for which `probe` runs; 0 if none.
+
+    Args:
+        probe: runs the training at a batch size and says whether it fitted (injectable for tests).
+        start: first batch to try (e.g. the largest whose estimate fits the device).
+        limit: never probe above this (on CPU nothing runs out of memory).
+        multiple_of: batch granularity (e.g. to keep a global batch divisible).
+
+    Returns:
+        (the largest batch that ran, every probe in the order run).
+
+    Raises:
+        ProbeFailed: a probe failed without running out of memory.
+    """
+    history: list[Probe] = []
+
+    def fits(k: int) -> bool:
+        outcome = probe(k * multiple_of)
+        history.append(outcome)
+        if not outcome.ok and outcome.status != "OOM":
+            raise ProbeFailed(f"batch {k * multiple_of}: {outcome.status}")
+        return outcome.ok
+
+    top = limit // multiple_of
+    if top < 1:
+        return 0, history
+    k = min(max(1, start // multiple_of), top)
+    fit, fail = (k, None) if fits(k) else (0, k)  # in units of multiple_of; fail = smallest known OOM
+    while fail is None and fit < top:  # grow until something runs out of memory
+        nxt = min(2 * fit, top)
+        fit, fail = (nxt, None) if fits(nxt) else (fit, nxt)
+    while fit == 0 and fail > 1:  # shrink until something runs
+        nxt = fail // 2
+        fit, fail = (nxt, fail) if fits(nxt) else (0, nxt)
+    while fail is not None and fail - fit > 1:
+        mid = (fit + fail) // 2
+        fit, fail = (mid, fail) if fits(mid) else (fit, mid)
+    return fit * multiple_of, history
+
+
+def benchmark_probe(config: str, train_args: list[str], nproc: int = 1, steps: int = 3,
+                    warmup: int = 1) -> Callable[[int], Probe]:  # fmt: skip
+    """A probe that runs scripts/benchmark.py for one case in a fresh process at the given batch.
+
+    The batch goes last on the command line, so it replaces any `local_batch_size` of the config or of
+    `train_args` ("auto" included: a probe never searches itself).
+    """
+    env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS}
+
+    def probe(batch: int) -> Probe:
+        overrides = shlex.join([*train_args, "--training.local_batch_size", str(batch),
+                                "--training.global_batch_size=-1"])  # fmt: skip
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "result.json"
+            cmd = [sys.executable, str(ROOT / "scripts" / "benchmark.py"), "--config", config, "--warmup",
+                   str(warmup), "--steps", str(steps), "--nproc", str(nproc), "--case", f"bs{batch}={overrides}",
+                   "--json-out", str(out)]  # fmt: skip
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+            if not out.is_file():
+                return Probe(batch, f"failed ({proc.returncode}): {proc.stderr[-500:]}")
+            result = json.loads(out.read_text())[0]
+        print(f"probe batch {batch}: {result['status']}", flush=True)
+        return Probe(batch, result["status"], result.get("peak_memory_gib"), result)
+
+    return probe
+
+
+def device_memory_bytes(index: int = 0) -> int | None:
+    """Total memory of this machine's GPU `index`, or None without one."""
+    import torch
+
+    return torch.cuda.get_device_properties(index).total_memory if torch.cuda.is_available() else None
+
+
+def estimated_max_batch(cfg, world_size: int, memory_bytes: int, limit: int = 1 << 16) -> int:
+    """The largest local batch whose analytic estimate (per rank, these parallel degrees) fits `memory_bytes`."""
+    from torchtitan.tools.memory_estimate import estimate_from_job_config, max_batch_that_fits
+
+    cfg = copy.deepcopy(cfg)  # the estimate reads the batch from the config
+
+    def estimate(batch: int):
+        cfg.training.local_batch_size = batch
+        return estimate_from_job_config(cfg, world_size)
+
+    return max_batch_that_fits(memory_bytes, estimate, limit)
+
+
+def estimated_start(config: str, train_args: list[str], nproc: int, memory_bytes: int | None) -> int:
+    """The largest batch whose analytic estimate fits `memory_bytes` (1 when no memory size is known)."""
+    from torchtitan.config_manager import parse_args
+
+    if not memory_bytes:
+        return 1
+    cfg = parse_args(["--job.config_file", config, *train_args])
+    return max(1, estimated_max_batch(cfg, nproc, memory_bytes))
+
+
+def find_max_local_batch_size(config: str, train_args: list[str] | None = None, nproc: int = 1, steps: int = 3,
+                              start: int = 0, limit: int = 4096, memory_gib: float = 0.0,
+                              probe: Callable[[int], Probe] | None = None) -> dict:  # fmt: skip
+    """Estimate, then probe: the entry point for scripts and for `--training.local_batch_size auto`.
+
+    Returns:
+        {"batch": the largest batch that ran (0: none), "start", "peak_memory_gib", "probes": [...]}.
+    """
+    train_args = list(train_args or [])
+    memory = int(memory_gib * 1024**3) if memory_gib else device_memory_bytes()
+    start = start or estimated_start(config, train_args, nproc, memory)
+    probe = probe or benchmark_probe(config, train_args, nproc, steps)
+    best, history = find_max_batch_size(probe, start, limit)
+    peak = next((p.peak_memory_gib for p in history if p.batch == best and p.ok), None)
+    probes = [{"batch": p.batch, "status": p.status, "peak_memory_gib": p.peak_memory_gib} for p in history]
+    return {"batch": best, "start": start, "peak_memory_gib": peak, "probes": probes}
+
+
+def largest_divisor_at_most(n: int, bound: int) -> int:
+    """The largest d <= bound that divides n (n, bound >= 1)."""
+    return next(d for d in range(min(n, bound), 0, -1) if n % d == 0)
+
+
+def _search_one_process(cfg, memory_bytes: int, limit: int, probe) -> tuple[int, str]:
+    """Fresh-process probes of this very config (written out resolved, so CLI overrides count too)."""
+    from torchtitan.config_manager import to_toml
+
+    with tempfile.TemporaryDirectory(prefix="batch_probe_") as tmp:
+        config = Path(tmp) / "resolved.toml"
+        config.write_text(to_toml(cfg))
+        args = ["--job.dump_folder", str(Path(tmp) / "probe"), "--metrics.enable_wandb", "false"]
+        result = find_max_local_batch_size(str(config), args, limit=limit, memory_gib=memory_bytes / 1024**3,
+                                           probe=probe)  # fmt: skip
+    peak = result["peak_memory_gib"]
+    memory = f", peak memory {peak:.2f} GiB" if peak is not None else ""
+    return result["batch"], f"probed in {len(result['probes'])} fresh processes{memory}"
+
+
+def resolve_local_batch_size(cfg, world_size: int, dp_degree: int, device_type: str, memory_bytes: int | None = None,
+                             probe: Callable[[int], Probe] | None = None) -> int:  # fmt: skip
+    """`training.local_batch_size` as a number: the config's, or for "auto" the largest that fits.
+
+    One process probes fresh processes (estimate, then bisection); several processes (torchrun) all take
+    the analytic estimate for their per-rank share, so ranks agree without probing. With a global batch,
+    the answer is the largest divisor of global_batch_size / dp_degree not above what fits.
+
+    Args:
+        cfg: the job config; its local batch size is read, not changed.
+        world_size, dp_degree: processes in the job and data-parallel ranks among them.
+        device_type: "cuda" or "cpu" ("auto" needs a GPU: CPU memory has no allocator limit to probe).
+        memory_bytes: device memory (default: this process's GPU's).
+        probe: replaces the fresh-process probe (tests).
+
+    Raises:
+        ConfigError: "auto" on CPU, an indivisible global batch, or not even batch 1 fits.
+    """
+    t = cfg.training
+    if t.local_batch_size != "auto":
+        return t.local_batch_size
+    source = cfg.job.config_file or "the defaults"
+    key = f"training.local_batch_size = 'auto' in {source}"
+    if device_type != "cuda":
+        raise ConfigError(f"{key}: needs a CUDA device to measure memory on; give a number on {device_type}")
+    if t.global_batch_size != -1 and (t.global_batch_size <= 0 or t.global_batch_size % dp_degree):
+        raise ConfigError(f"training.global_batch_size = {t.global_batch_size} in {source} is not divisible by "
+                          f"the data-parallel degree {dp_degree}")  # fmt: skip
+    share = t.global_batch_size // dp_degree if t.global_batch_size != -1 else None
+    limit = share or 4096
+    memory_bytes = memory_bytes or device_memory_bytes(_current_cuda_device())
+    if world_size == 1:
+        found, how = _search_one_process(cfg, memory_bytes, limit, probe)
+    else:
+        budget = int(ESTIMATE_HEADROOM * memory_bytes)
+        found = _agree_on_min(estimated_max_batch(cfg, world_size, budget, limit))
+        how = f"analytic estimate within {ESTIMATE_HEADROOM:.0%} of {memory_bytes / 1024**3:.1f} GiB per rank"
+    if found == 0:
+        raise ConfigError(f"{key}: not even a batch of 1 fits ({how})")
+    chosen = largest_divisor_at_most(share, found) if share else found
+    why = ""
+    if share:
+        why = (f"; using {chosen}, the largest divisor of global_batch_size / dp degree = {t.global_batch_size} / "
+               f"{dp_degree} = {share} not above it: {share // chosen} accumulation steps")  # fmt: skip
+    logger.info(f"training.local_batch_size auto: {found} fits ({how}){why}")
+    return chosen
+
+
+def _current_cuda_device() -> int:
+    import torch
+
+    return torch.cuda.current_device() if torch.cuda.is_available() else 0
+
+
+def _agree_on_min(batch: int) -> int:
+    """The smallest answer over the ranks (GPUs of one job may differ in memory)."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return batch
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    value = torch.tensor(batch, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return int(value.item())
