@@ -1,0 +1,220 @@
+"""The DP experiment suites (scripts/dp/): tiny real runs whose JSON agrees with their run folders, failures
+recorded, the largest-batch search, the shell wrappers, and the plots and summary of visualize."""
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from PIL import Image
+
+from scripts.dp import common, run_dp_suite, run_fsdp_suite, visualize
+from scripts.find_max_batch_size import Probe
+from tests.conftest import ROOT, read_metrics
+from torchtitan.models.dit import DiT, dit_configs
+
+GIB = 1024**3
+# The debug DiT on 16x16x3 dummy pixels (patch 2: 64 tokens); the config keeps its 1000 classes.
+TINY = ["--model.flavor", "debug", "--model.input_size", "16"]
+RUN = ["--steps", "4", "--breakdown-steps", "1", "--no-plots"]  # 1 breakdown step + 1 warm-up: steps 3, 4 timed
+
+
+def parameter_bytes() -> int:
+    """fp32 bytes of the tiny model's parameters (CPU runs train in fp32)."""
+    args = replace(dit_configs["debug"], input_size=16, in_channels=3, num_classes=1000, learn_sigma=False)
+    with torch.device("meta"):
+        return 4 * sum(p.numel() for p in DiT(args).parameters())
+
+
+def load(folder: Path, name: str) -> dict:
+    return json.loads((folder / f"{name}.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def suite_a(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("dp_suite")
+    argv = ["--modes", "vanilla ghost", "--batch-sizes", "2", "--output-dir", str(out), *RUN, "--find-max-batch",
+            "--find-max-limit", "2", *TINY]  # fmt: skip
+    assert run_dp_suite.main(argv) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def suite_b(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("dp_fsdp_suite")
+    argv = ["--nproc", "2", "--modes", "no_dp ghost", "--tokens", "64", "--batch-sizes", "2", "--output-dir",
+            str(out), *RUN, "--model.flavor", "debug"]  # fmt: skip
+    assert run_fsdp_suite.main(argv) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def failed_runs(tmp_path_factory) -> Path:
+    """A run that cannot start (no dataset folder) and one whose command dies of an out-of-memory error."""
+    out = tmp_path_factory.mktemp("dp_suite_failed")
+    bad = ["--training.dataset", "imagefolder", "--training.dataset_path", str(out / "missing")]
+    assert run_dp_suite.main(["--modes", "vanilla", "--batch-sizes", "3", "--output-dir", str(out), *RUN, *TINY,
+                              *bad]) == 0  # fmt: skip
+    oom = [sys.executable, "-c", "import sys; print('torch.OutOfMemoryError: CUDA out of memory'); sys.exit(1)"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(common, "train_command", lambda *args: oom)
+        assert run_dp_suite.main(["--modes", "vanilla", "--batch-sizes", "4", "--output-dir", str(out), *RUN,
+                                  *TINY]) == 0  # fmt: skip
+    return out
+
+
+def test_suite_a_json_agrees_with_the_run_folder(suite_a):
+    full_model = parameter_bytes()
+    for mode in ("vanilla", "ghost"):
+        result = load(suite_a, f"{mode}_bs2")
+        run = Path(result["run_dir"])
+        assert result["status"] == "ok" and json.loads((run / "status.json").read_text())["status"] == "ok"
+        assert (result["mode"], result["private"], result["batch"], result["tokens"]) == (
+            mode,
+            mode != "vanilla",
+            2,
+            64,
+        )
+        metrics = read_metrics(run)
+        assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+        warm = [m["step_time_s"] for m in metrics[2:]]
+        assert result["warm_steps"] == [3, 4]
+        assert result["step_time_s"] == pytest.approx(sum(warm) / 2)
+        assert result["images_per_second"] == pytest.approx(2 / result["step_time_s"])
+        records = json.loads((run / "memory_breakdown.json").read_text())["records"]
+        assert result["memory_breakdown"]["records"] == records
+        assert result["breakdown_at_peak"] == max(records, key=lambda r: r["total"])
+        # CPU: train.py logs no memory, so the peak is the breakdown's.
+        assert result["peak_memory_gib"] == pytest.approx(max(r["peak"] for r in records) / GIB)
+        assert result["peak_memory_source"].startswith("memory_breakdown")
+        assert all(r["parameters"] == full_model for r in records)
+        step = {r["stage"]: r for r in records if r["step"] == 1}
+        assert step["backward"]["gradients"] == full_model  # one fp32 gradient per parameter
+        assert step["optimizer_step"]["optimizer_states"] >= 2 * full_model  # AdamW's two moments
+        if mode == "ghost":  # the engine's stage after the norm pass, where its buffers live
+            assert step["dp_norms"]["dp_buffers"] > 0 and result["dp_buffers_peak_gib"] > 0
+        else:
+            assert "dp_norms" not in step and result["dp_buffers_peak_gib"] == 0
+        assert "--dp.enable false" in result["command"] if mode == "vanilla" else "--dp.mode ghost" in result["command"]
+    vanilla, ghost = load(suite_a, "vanilla_bs2"), load(suite_a, "ghost_bs2")
+    assert ghost["baseline"] == "vanilla_bs2" and vanilla["time_ratio"] == 1.0
+    assert ghost["time_ratio"] == pytest.approx(ghost["step_time_s"] / vanilla["step_time_s"])
+    assert ghost["memory_ratio"] == pytest.approx(ghost["peak_memory_gib"] / vanilla["peak_memory_gib"])
+
+
+def test_suite_a_finds_the_largest_batch_with_suite_runs(suite_a):
+    report = json.loads((suite_a / "max_batch.json").read_text())
+    for mode in ("vanilla", "ghost"):
+        entry = report["modes"][mode]
+        # Nothing runs out of memory on CPU: the search stops at its limit, a lower bound.
+        assert entry["batch"] == 2 and entry["lower_bound"] is True and entry["predicted"] is None
+        assert entry["probes"] == [{"batch": 2, "status": "ok", "peak_memory_gib": None}]
+        probe = json.loads((suite_a / "find_max" / f"{mode}_bs2" / "status.json").read_text())
+        assert probe["status"] == "ok" and "--training.steps 2" in probe["command"]
+        assert "--profiling.enable_memory_breakdown false" in probe["command"]
+
+
+def test_failed_and_oom_runs_are_recorded(failed_runs):
+    failed, oom = load(failed_runs, "vanilla_bs3"), load(failed_runs, "vanilla_bs4")
+    assert failed["status"] == "failed" and failed["returncode"] == 2
+    assert "missing does not exist" in (Path(failed["run_dir"]) / "train.log").read_text()
+    assert oom["status"] == "OOM" and oom["returncode"] == 1
+    for result in (failed, oom):
+        assert "step_time_s" not in result and "peak_memory_gib" not in result and "time_ratio" not in result
+
+
+def test_the_largest_batch_search_starts_from_the_measured_line(tmp_path, monkeypatch):
+    # Peaks of 10 and 24 GiB at batches 2 and 16: 1 GiB per image, so 80 GiB holds about 72 images.
+    results = [{"mode": "ghost", "batch": b, "status": "ok", "peak_memory_gib": m} for b, m in ((2, 10.0), (16, 24.0))]
+    assert run_dp_suite.predicted_max_batch(results, 80.0) == pytest.approx(72.0)
+    assert run_dp_suite.search_window(results, 80.0, 4096, 8, 0.1) == (64, 80, pytest.approx(72.0))
+    assert run_dp_suite.search_window(results[:1], 80.0, 4096, 1, 0.1) == (2, 4096, None)  # one point: no line
+    tried = []
+
+    def planted(*args):  # runs out of memory above 70 images
+        return lambda batch: tried.append(batch) or Probe(batch, "ok" if batch <= 70 else "OOM", batch / 10)
+
+    monkeypatch.setattr(run_dp_suite, "suite_probe", planted)
+    opts = SimpleNamespace(memory_gib=80.0, find_max_limit=4096, find_max_multiple_of=8, find_max_margin=0.1,
+                           probe_steps=2)  # fmt: skip
+    report = run_dp_suite.find_max_batches(results, ["ghost"], 16, 64, "config", tmp_path, [], opts)
+    entry = report["modes"]["ghost"]
+    assert entry["batch"] == 64 and entry["lower_bound"] is False and entry["peak_memory_gib"] == 6.4
+    assert tried == [64, 80, 72]  # the window's bottom, its top, then one bisection
+    assert json.loads((tmp_path / "max_batch.json").read_text()) == report
+
+
+def test_shell_wrappers_pass_their_arguments_through():
+    env = {**os.environ, "PYTHON": sys.executable, "BATCH_SIZES": "4", "OUTPUT_DIR": "/tmp/dp_suite_dry"}
+    out = subprocess.run(["bash", "scripts/dp/run_dp_suite.sh", "--dry-run", "--optimizer.lr", "3e-4"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stdout.splitlines() if "_bs4: " in line]
+    assert [line.split(":")[0] for line in lines] == [f"{m}_bs4" for m in run_dp_suite.MODES]
+    assert all(line.endswith("--optimizer.lr 3e-4") for line in lines)  # "$@" last, so it wins
+    assert "--model.input_size 256" in lines[0] and "--job.dump_folder /tmp/dp_suite_dry/runs/vanilla_bs4" in lines[0]
+    env.update(NPROC="4", TOKENS="1024 4096")
+    out = subprocess.run(["bash", "scripts/dp/run_fsdp_suite.sh", "--dry-run"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    names = [line.split(":")[0] for line in out.stdout.splitlines() if "_t" in line.split(":")[0]]
+    assert names == [f"{m}_t{t}_bs4" for t in (1024, 4096) for m in run_fsdp_suite.MODES]
+    line = next(line for line in out.stdout.splitlines() if line.startswith("ghost_t4096_bs4:"))
+    assert "--nproc_per_node=4" in line and "--model.input_size 512" in line  # 64 x 64 patches of 8 pixels
+    assert "--parallelism.data_parallel_shard_degree 4" in line
+
+
+@pytest.mark.slow
+def test_suite_b_runs_fsdp_over_two_processes(suite_b):
+    full_model = parameter_bytes()
+    for mode in ("no_dp", "ghost"):
+        result = load(suite_b, f"{mode}_t64_bs2")
+        run = Path(result["run_dir"])
+        assert result["status"] == "ok" and (result["nproc"], result["global_batch"], result["input_size"]) == (
+            2,
+            4,
+            16,
+        )
+        assert "--nproc_per_node=2" in result["command"]
+        metrics = read_metrics(run)
+        assert result["step_time_s"] == pytest.approx(sum(m["step_time_s"] for m in metrics[2:]) / 2)
+        assert result["images_per_second"] == pytest.approx(4 / result["step_time_s"])
+        records = json.loads((run / "memory_breakdown.json").read_text())["records"]  # rank 0's
+        assert result["memory_breakdown"]["records"] == records and (run / "memory_breakdown_rank1.json").is_file()
+        init = records[0]
+        assert init["stage"] == "init" and full_model / 2 <= init["parameters"] < 0.6 * full_model  # one shard
+    ghost = load(suite_b, "ghost_t64_bs2")
+    assert ghost["baseline"] == "no_dp_t64_bs2" and ghost["time_ratio"] > 0 and ghost["memory_ratio"] > 0
+
+
+@pytest.mark.slow
+def test_visualize_writes_plots_and_a_summary_that_matches_the_json(suite_a, suite_b, failed_runs, tmp_path):
+    written = visualize.main([str(suite_a), str(suite_b), str(failed_runs), "--out", str(tmp_path)])
+    names = {"memory_breakdown_bars.png", "memory_timeline.png", "tradeoff.png", "fsdp_scaling.png",
+             "fsdp_overhead.png", "summary.txt"}  # fmt: skip
+    assert {p.name for p in written} == names
+    for name in names - {"summary.txt"}:
+        with Image.open(tmp_path / name) as image:
+            assert image.size[0] > 300 and image.size[1] > 200
+    rows = {}
+    for line in (tmp_path / "summary.txt").read_text().splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == len(visualize.COLUMNS) and cells[0] in ("dp", "fsdp"):
+            rows[(cells[0], cells[1], int(cells[3]))] = dict(zip(visualize.COLUMNS, cells))
+    results = [load(suite_a, "vanilla_bs2"), load(suite_a, "ghost_bs2"), load(suite_b, "no_dp_t64_bs2"),
+               load(suite_b, "ghost_t64_bs2")]  # fmt: skip
+    for result in results:
+        row = rows[(result["suite"], result["mode"], result["batch"])]
+        assert row["status"] == "ok" and int(row["tokens"]) == result["tokens"]
+        assert float(row["peak GiB"]) == pytest.approx(result["peak_memory_gib"], abs=5e-4)
+        assert float(row["step ms"]) == pytest.approx(1000 * result["step_time_s"], abs=0.05)
+        assert float(row["images/s"]) == pytest.approx(result["images_per_second"], abs=0.05)
+        assert float(row["time x"]) == pytest.approx(result["time_ratio"], abs=5e-3)
+        assert float(row["memory x"]) == pytest.approx(result["memory_ratio"], abs=5e-3)
+    assert rows[("dp", "vanilla", 4)]["status"] == "OOM" and rows[("dp", "vanilla", 4)]["peak GiB"] == ""
+    assert "| vanilla | >= 2 |" in (tmp_path / "summary.txt").read_text()  # the max-batch table
