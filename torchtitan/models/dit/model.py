@@ -13,6 +13,10 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from torchtitan.models.dit.rope import apply_rope, build_rope_2d
 
+# FlexAttention is a fused kernel only when compiled: its eager path materializes the (B, nh, T, T) scores.
+# So blocks call a compiled copy, as TorchTitan does; inside an already compiled block dynamo inlines it.
+compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
+
 
 @dataclass
 class DiTArgs:
@@ -187,7 +191,7 @@ class Attention(nn.Module):
         if isinstance(block_mask, torch.Tensor):  # CPU: FlexAttention has no CPU backward; same maths, dense mask
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=block_mask)
         elif block_mask is not None:
-            out = flex_attention(q, k, v, block_mask=block_mask)  # windowed: only the 2D neighbourhood
+            out = compiled_flex_attention(q, k, v, block_mask=block_mask)  # windowed: only the 2D neighbourhood
         else:
             out = F.scaled_dot_product_attention(q, k, v)  # non-causal: every patch sees every patch
         return self.proj(out.transpose(1, 2).reshape(B, T, D))
