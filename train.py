@@ -188,9 +188,13 @@ class Trainer:
     @contextlib.contextmanager
     def compute_context(self):
         """bf16 autocast (single device / DDP) and the attention-kernel priority, around a forward."""
-        with torch.autocast(self.device.type, torch.bfloat16, enabled=self.autocast):
-            with sdpa_kernel(self.sdpa_backends, set_priority=True):
-                yield
+        with torch.autocast(self.device.type, torch.bfloat16, enabled=self.autocast), self.attention_context():
+            yield
+
+    def attention_context(self):
+        """The SDPA kernel priority. Backward needs it too: activation checkpointing recomputes attention there,
+        and a recompute that picked another kernel than forward did would save different tensors (an error)."""
+        return sdpa_kernel(self.sdpa_backends, set_priority=True)
 
     def train_step(self) -> dict:
         """One optimizer step over grad_accum_steps micro-batches; returns tensors for logging."""
@@ -205,7 +209,7 @@ class Trainer:
             with self.breakdown.maybe_track(step):
                 losses, _ = self.forward_losses(x, y, step, micro)
             self.breakdown.maybe_record("forward", step)
-            with self.breakdown.maybe_track(step):
+            with self.breakdown.maybe_track(step), self.attention_context():
                 if self.private is not None:
                     self.private.backward(losses, mask, last_micro_batch=micro == self.grad_accum_steps - 1)
                 else:

@@ -125,3 +125,14 @@ def test_wandb_offline_logs_metrics_and_samples(tmp_path):
     runs = list((out / "wandb").glob("offline-run-*"))
     assert runs and list(runs[0].glob("*.wandb")), "wandb wrote no offline run"
     assert list(runs[0].rglob("*.png")), "the sample grid was not logged to wandb"
+
+
+@pytest.mark.parametrize("ac", ["full", "selective"])
+def test_checkpoint_recompute_uses_the_configured_attention_kernel(tmp_path, ac):
+    # Recomputation runs in backward, outside the forward's context: were the SDPA priority not set there too,
+    # it would pick another kernel than forward did, and checkpointing would refuse the different saved tensors
+    # (seen on an H100: cuDNN in forward, flash in recompute). On CPU, "math" against the default CPU kernel.
+    out = tmp_path / ac
+    run_train([*TINY, "--job.dump_folder", str(out), "--training.steps", "2", "--model.sdpa_backends", "math",
+               "--activation_checkpoint.mode", ac, "--activation_checkpoint.selective_ac_option", "op"])  # fmt: skip
+    assert [m["step"] for m in read_metrics(out)] == [1, 2]
