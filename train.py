@@ -29,7 +29,7 @@ from torchtitan.tools.batch_size_finder import resolve_local_batch_size
 from torchtitan.tools.images import save_image_grid
 from torchtitan.tools.logging import init_logger, logger
 from torchtitan.tools.memory_breakdown import build_memory_breakdown
-from torchtitan.tools.utils import GarbageCollection, get_device, set_determinism
+from torchtitan.tools.utils import GarbageCollection, get_device, set_determinism, settle_sdpa_priority
 from torchtitan.train_spec import build_model_args, get_train_spec
 
 SDPA_BACKENDS = {
@@ -112,6 +112,7 @@ class Trainer:
                                                 self.private, self.dump_folder, self.rank)  # fmt: skip
         self.autocast = self.device.type == "cuda" and not self.parallel_dims.fsdp_enabled
         self.autocast = self.autocast and cfg.training.mixed_precision_param == "bfloat16"
+        settle_sdpa_priority(self.device)  # before any priority of ours: PyTorch's first call would override it
         self.sdpa_backends = [SDPA_BACKENDS[name] for name in cfg.model.sdpa_backends]
         logger.info(f"attention: SDPA backends in priority order {cfg.model.sdpa_backends}")
         self.write_config()

@@ -92,3 +92,17 @@ def peak_memory_gib(device: torch.device) -> dict[str, float]:
         "memory_peak_active_gib": stats.get("active_bytes.all.peak", 0) / gib,
         "memory_peak_reserved_gib": stats.get("reserved_bytes.all.peak", 0) / gib,
     }
+
+
+def settle_sdpa_priority(device: torch.device) -> None:
+    """Lets PyTorch make its one-time choice of attention-kernel priority now, before ours is set.
+
+    On its first CUDA attention call, PyTorch (cuDNN >= 9.9 on sm90/sm100) replaces the global SDPA priority with
+    cuDNN first, over whatever an enclosing `sdpa_kernel(..., set_priority=True)` had set. The first training step
+    would then run another kernel than configured, and activation checkpointing, which recomputes attention in
+    backward under the configured priority again, would get other saved tensors than forward kept and raise
+    (seen on an H100 with `model.sdpa_backends = ["flash", "cudnn"]`). One call here spends that choice.
+    """
+    if device.type == "cuda":
+        q = torch.randn(1, 1, 8, 64, device=device, dtype=torch.bfloat16)
+        torch.nn.functional.scaled_dot_product_attention(q, q, q)
