@@ -153,3 +153,17 @@ def test_windowed_attention_matches_masked_sdpa():
     global_attention.load_state_dict(model.state_dict())
     global_attention.init_buffers()
     assert (global_attention(x, t, y) - windowed).abs().max() > 1e-4  # the window does change the output
+
+
+def test_flex_block_mask_path_matches_the_dense_mask():
+    """The GPU path: FlexAttention over the block mask (compiled on first use from eager code, as CUDA runs it)
+    equals SDPA over the dense mask; on CPU FlexAttention runs forward only, so no gradients here."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    grid, window = 4, 1
+    dense = dit_model.window_block_mask(grid, window, torch.device("cpu"))
+    block_mask = create_block_mask(lambda b, h, q, k: dense[q, k], None, None, grid**2, grid**2, device="cpu",
+                                   BLOCK_SIZE=grid**2)  # fmt: skip
+    q, k, v = torch.randn(3, 2, 2, grid**2, 8).unbind(0)
+    got = dit_model.windowed_attention(q, k, v, block_mask)
+    torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, attn_mask=dense), rtol=1e-5, atol=1e-5)

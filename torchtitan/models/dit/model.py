@@ -13,9 +13,18 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from torchtitan.models.dit.rope import apply_rope, build_rope_2d
 
-# FlexAttention is a fused kernel only when compiled: its eager path materializes the (B, nh, T, T) scores.
-# So blocks call a compiled copy, as TorchTitan does; inside an already compiled block dynamo inlines it.
-compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
+_compiled_flex_attention = None  # built on first use: torch.compile at import would cost every process seconds
+
+
+def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask) -> torch.Tensor:
+    """FlexAttention over a block mask. It is a fused kernel only when compiled (its eager path materializes the
+    (B, nh, T, T) scores), so eager blocks call a compiled copy, as TorchTitan does; compiled blocks trace it."""
+    global _compiled_flex_attention
+    if torch.compiler.is_compiling():
+        return flex_attention(q, k, v, block_mask=block_mask)
+    if _compiled_flex_attention is None:
+        _compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex_attention(q, k, v, block_mask=block_mask)
 
 
 @dataclass
@@ -191,7 +200,7 @@ class Attention(nn.Module):
         if isinstance(block_mask, torch.Tensor):  # CPU: FlexAttention has no CPU backward; same maths, dense mask
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=block_mask)
         elif block_mask is not None:
-            out = compiled_flex_attention(q, k, v, block_mask=block_mask)  # windowed: only the 2D neighbourhood
+            out = windowed_attention(q, k, v, block_mask)  # only the 2D neighbourhood
         else:
             out = F.scaled_dot_product_attention(q, k, v)  # non-causal: every patch sees every patch
         return self.proj(out.transpose(1, 2).reshape(B, T, D))
