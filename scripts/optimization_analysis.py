@@ -6,7 +6,8 @@ Reads every run folder under the given one (status.json, config.toml, metrics.js
 scripts/run_ablation.py), keeps warm steps only (the first `--skip` logged steps hold compilation and
 warmup), and writes into --out:
 - <size>_<knob>.png for knob in compile, ac, parallelism, precision: images/s, MFU and peak memory against
-  the local batch size; one thin line per setting of the other knobs, a thick line for their median,
+  the local batch size; one thin line per setting of the other knobs, a thick line for the median of the settings
+  run with every value of the knob (matched),
   x marks for runs that ran out of memory;
 - summary.md: the change each knob makes (median ratio over matched pairs of runs that differ in that knob
   only, e.g. "compile: +70% images/s"), and every run in one table.
@@ -153,6 +154,10 @@ def plot_knob(runs: list[dict], size: str, knob: str, path: Path) -> bool:
     panels = [(key, name) for key, name in METRICS if any(key in r for r in sized)]
     if len(values) < 2 or not panels:
         return False
+    # The thick median line takes only settings of the other knobs that were run with every value of this knob:
+    # a median over unmatched settings would compare, say, compiled runs with eager ones.
+    contexts = [{_context(r, knob) for r in sized if r[knob] == value} for value in values]
+    matched = set.intersection(*contexts) or set.union(*contexts)
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, (key, name) in zip(axes[0], panels):
@@ -166,13 +171,15 @@ def plot_knob(runs: list[dict], size: str, knob: str, path: Path) -> bool:
                 points.sort()
                 ax.plot(*zip(*points), color=color, alpha=0.3, linewidth=1, marker=".")
             by_batch = defaultdict(list)
-            for points in by_context.values():
+            for context, points in by_context.items():
+                if context not in matched:
+                    continue
                 for batch, y in points:
                     by_batch[batch].append(y)
             if by_batch:
                 batches = sorted(by_batch)
                 ax.plot(batches, [statistics.median(by_batch[b]) for b in batches], color=color, linewidth=2.5,
-                        marker="o", label=f"{knob} {_label(value)} (median)")  # fmt: skip
+                        marker="o", label=f"{knob} {_label(value)} (median, matched)")  # fmt: skip
             oom = sorted({r["batch"] for r in chosen if r["status"] == "OOM"})
             if oom:
                 ax.plot(oom, [0] * len(oom), "x", color=color, markersize=9, label=f"{knob} {_label(value)}: OOM")

@@ -26,6 +26,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from scripts.dp.common import GIB, NON_PRIVATE, breakdown_parts  # noqa: E402  (needs the repository root)
+from torchtitan.tools.memory_breakdown import stacked_bars  # noqa: E402
 
 MODE_ORDER = ("vanilla", "no_dp", "ghost", "flash", "bookkeeping", "flash_bookkeeping")
 COLUMNS = ("suite", "mode", "tokens", "batch", "nproc", "status", "peak GiB", "step ms", "images/s", "time x",
@@ -64,20 +65,13 @@ def _plt():
     return plt
 
 
-def part_colors(parts: list[str]) -> dict[str, str]:
-    """One color per part, the same in every figure."""
-    palette = [f"C{i}" for i in range(10)]
-    return {part: palette[i % len(palette)] for i, part in enumerate(parts)}
-
-
-def stacked_bars(ax, labels: list[str], records: list[dict], parts: list[str], colors: dict) -> None:
-    """Bars of the parts of each record (GiB), stacked in `parts` order."""
-    bottom = [0.0] * len(records)
-    for part in parts:
-        values = [r.get(part, 0) / GIB for r in records]
-        if any(values):
-            ax.bar(labels, values, bottom=bottom, label=part, color=colors[part])
-            bottom = [b + v for b, v in zip(bottom, values)]
+def figure_legend(fig, axes) -> None:
+    """One legend for the figure with every part any panel drew (the first panel may lack some, e.g. DP buffers)."""
+    entries = {}
+    for ax in axes.flat:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            entries.setdefault(label, handle)
+    fig.legend(list(entries.values()), list(entries), fontsize=8, loc="upper right")
 
 
 def plot_breakdown_bars(results: list[dict], path: Path) -> Path | None:
@@ -86,14 +80,13 @@ def plot_breakdown_bars(results: list[dict], path: Path) -> Path | None:
     if not rows:
         return None
     parts = breakdown_parts([r["breakdown_at_peak"] for r in rows])
-    colors = part_colors(parts)
     groups = list(dict.fromkeys(group_of(r) for r in rows))
     plt = _plt()
     fig, axes = plt.subplots(1, len(groups), figsize=(4 + 3.2 * len(groups), 4.8), squeeze=False)
     for ax, group in zip(axes[0], groups):
         mine = [r for r in rows if group_of(r) == group]
         records = [r["breakdown_at_peak"] for r in mine]
-        stacked_bars(ax, [r["mode"] for r in mine], records, parts, colors)
+        stacked_bars(ax, [r["mode"] for r in mine], records, parts, GIB)
         for i, record in enumerate(records):
             ax.text(i, record["total"] / GIB, f"{record['step']}:{record['stage']}", ha="center", va="bottom",
                     fontsize=7)  # fmt: skip
@@ -101,8 +94,7 @@ def plot_breakdown_bars(results: list[dict], path: Path) -> Path | None:
         ax.margins(y=0.08)
         ax.set_ylabel("GiB at the stage of peak total")
         ax.tick_params(axis="x", rotation=30)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, fontsize=8, loc="upper right")
+    figure_legend(fig, axes)
     fig.tight_layout(rect=(0, 0, 0.85, 1))
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -115,7 +107,6 @@ def plot_timeline(results: list[dict], path: Path) -> Path | None:
     if not rows:
         return None
     parts = breakdown_parts([rec for r in rows for rec in r["memory_breakdown"]["records"]])
-    colors = part_colors(parts)
     ncols = min(len(rows), 5)
     nrows = math.ceil(len(rows) / ncols)
     plt = _plt()
@@ -123,15 +114,14 @@ def plot_timeline(results: list[dict], path: Path) -> Path | None:
     for ax, r in zip(axes.flat, rows):
         records = r["memory_breakdown"]["records"]
         labels = [f"{rec['step']}:{rec['stage']}" for rec in records]
-        stacked_bars(ax, labels, records, parts, colors)
+        stacked_bars(ax, labels, records, parts, GIB)
         ax.plot(labels, [rec["peak"] / GIB for rec in records], "k_", markersize=10, label="peak since previous")
         ax.set_title(f"{r['mode']}, {group_of(r)}", fontsize=9)
         ax.set_ylabel("GiB")
         ax.tick_params(axis="x", rotation=90, labelsize=6)
     for ax in list(axes.flat)[len(rows) :]:
         ax.axis("off")
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, fontsize=8, loc="upper right")
+    figure_legend(fig, axes)
     fig.tight_layout(rect=(0, 0, 1 - 1.6 / (4.2 * ncols + 2), 1))
     fig.savefig(path, dpi=90)
     plt.close(fig)

@@ -251,6 +251,17 @@ class MemoryBreakdown:
         return json_path, png_path
 
 
+def stacked_bars(ax, labels: list[str], records: list[dict], parts, unit: int) -> None:
+    """Bars of each record's parts (in units of `unit` bytes), stacked in `parts` order; a part that is zero in
+    every record gets no bar and no legend entry. Each part has one color in every figure."""
+    bottom = [0.0] * len(records)
+    for part in parts:
+        values = [r.get(part, 0) / unit for r in records]
+        if any(values):
+            ax.bar(labels, values, bottom=bottom, label=part, color=_COLORS.get(part))
+            bottom = [b + v for b, v in zip(bottom, values)]
+
+
 def plot_breakdown(records: list[dict], path: Path, title: str = "") -> None:
     """One stacked bar per record (parts in MiB), the peak since the previous record as a marker."""
     import matplotlib
@@ -261,12 +272,7 @@ def plot_breakdown(records: list[dict], path: Path, title: str = "") -> None:
     mib = 1024**2
     labels = [f"{r['step']}:{r['stage']}" for r in records]
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(records) + 2), 4.5))
-    bottom = [0.0] * len(records)
-    for part in PARTS:
-        values = [r.get(part, 0) / mib for r in records]
-        if any(values):
-            ax.bar(labels, values, bottom=bottom, label=part, color=_COLORS[part])
-            bottom = [b + v for b, v in zip(bottom, values)]
+    stacked_bars(ax, labels, records, PARTS, mib)
     ax.plot(labels, [r["peak"] / mib for r in records], "k_", markersize=18, label="peak since previous")
     ax.set_ylabel("MiB")
     ax.set_title(title or "memory by stage (step:stage)")
