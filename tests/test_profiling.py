@@ -1,0 +1,27 @@
+"""Profiler traces on CPU every profile_freq steps; memory snapshots are CUDA-only and off cleanly on CPU."""
+
+import json
+import logging
+
+import torch
+
+from torchtitan.components.profiling import Profiler
+from torchtitan.config_manager import Profiling
+
+
+def test_traces_every_profile_freq_steps_and_no_snapshot_on_cpu(tmp_path, caplog):
+    config = Profiling(enable_profiling=True, profile_freq=2, profiler_active=1, enable_memory_snapshot=True)
+    with caplog.at_level(logging.WARNING):
+        profiler = Profiler(config, tmp_path, rank=0, device=torch.device("cpu"))
+    assert "enable_memory_snapshot needs a CUDA device" in caplog.text
+    layer = torch.nn.Linear(8, 8)
+    for step in range(1, 5):
+        layer(torch.randn(4, 8)).sum().backward()
+        profiler.step(step)
+    assert profiler.dump_snapshot("oom") is None  # what train.py calls on an out-of-memory error
+    profiler.close()
+    traces = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.json"))
+    assert traces == ["profile_traces/iteration_2/rank0_trace.json", "profile_traces/iteration_4/rank0_trace.json"]
+    events = json.loads((tmp_path / traces[0]).read_text())["traceEvents"]
+    assert any("addmm" in event.get("name", "") for event in events)  # the Linear's matmul was recorded
+    assert not (tmp_path / "memory_snapshot").exists()
