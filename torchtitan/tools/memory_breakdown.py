@@ -294,7 +294,7 @@ def breakdown_step(trainer, breakdown: MemoryBreakdown, step: int, forward_only:
         breakdown.record("forward", step)
         if forward_only:
             continue
-        with breakdown.track():
+        with breakdown.track(), trainer.attention_context():  # an AC recompute must pick forward's kernel
             if trainer.private is not None:
                 trainer.private.engine.stage_hook = functools.partial(breakdown.record, step=step)
                 trainer.private.backward(losses, mask, last_micro_batch=micro == trainer.grad_accum_steps - 1)
