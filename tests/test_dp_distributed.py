@@ -19,6 +19,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from torchtitan.dp import DP_MODES, DPEngine
+from torchtitan.dp import distributed as dpdist
 from torchtitan.dp.noise import gaussian_noise
 from torchtitan.dp.testing import clipped_mean, per_sample_grads
 from torchtitan.models.dit import DiT, DiTArgs
@@ -67,6 +68,8 @@ def _parallelize(model, topology):
 
 def _check_topology(rank, topology, model, batch, refs, ref_norms, max_norm):
     local = tuple(b[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH] for b in batch)
+    # fsdp_sum: book-keeping's reduce-scatters in buckets of a few layers, one in flight while the next fills.
+    dpdist.BUCKET_BYTES = 16 << 10 if topology == "fsdp_sum" else 256 << 20
     for mode in DP_MODES:
         dp_model, mesh = _parallelize(copy.deepcopy(model), topology)
         engine = DPEngine(dp_model, mode, max_norm, SIGMA, dp_mesh=mesh, seed=SEED)
@@ -93,7 +96,11 @@ def _worker(rank, port, topologies):
         model = _tiny_dit()
         g = torch.Generator().manual_seed(1)
         n = WORLD * LOCAL_BATCH
-        batch = (torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, 1000, (n,), generator=g), torch.arange(n) % 11)
+        batch = (
+            torch.randn(n, 1, 8, 8, generator=g),
+            torch.randint(0, 1000, (n,), generator=g),
+            (2 * torch.arange(n)) % 11,
+        )  # labels in both shards of the table
         grads = per_sample_grads(model, _loss, *batch)
         max_norm = torch.cat([v.flatten(1) for v in grads.values()], 1).norm(dim=1).median().item()
         ref, ref_norms = clipped_mean(grads, max_norm)

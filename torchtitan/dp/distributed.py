@@ -1,18 +1,21 @@
 """How gradients are summed over data-parallel ranks for each way a model can be wrapped.
 
 - FSDP2 / HSDP (parameters are DTensors): a normal backward reduce-scatters and divides by
-  FSDP's gradient divide factor; gradients the engine builds itself (book-keeping) are wrapped
-  as Partial DTensors on the parameter's mesh and redistributed to its placements, which is a
-  reduce-scatter (plus an all-reduce over the replicate dim of HSDP) of one layer at a time.
+  FSDP's gradient divide factor; gradients the engine builds itself (book-keeping) go through
+  `ShardedGradReducer`: layers are packed into buckets of a bounded size, each bucket is one
+  reduce-scatter (plus an all-reduce over the replicate dim of HSDP), as FSDP packs a block's
+  gradients, and a bucket's collective runs while the next bucket's gradients are computed.
 - DDP (composable `replicate` or the DistributedDataParallel class): a normal backward
   all-reduces and divides by the group size; gradients the engine builds are all-reduced here.
 - A plain model on several ranks: the engine all-reduces every gradient itself.
 """
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 
 def dp_groups(dp_mesh) -> list:
@@ -82,3 +85,131 @@ def reduce_to_param(grad: torch.Tensor, param: DTensor) -> DTensor:
     mesh = param.device_mesh
     partial = DTensor.from_local(grad, mesh, [Partial()] * mesh.ndim, run_check=False)
     return partial.redistribute(mesh, param.placements)
+
+
+# Full-shape float32 gradients per reduce-scatter of book-keeping (FSDP2 packs about a block's worth).
+BUCKET_BYTES = 256 << 20
+
+
+def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """param.grad = grad, or += when a previous micro-batch left one."""
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad += grad
+
+
+def _dim0_sharded(param: DTensor) -> int | None:
+    """The mesh dim that shards dim 0, if the placements are FSDP2's (Shard(0) once, Replicate elsewhere)."""
+    placements = param.placements
+    shards = [i for i, p in enumerate(placements) if type(p) is Shard and p.dim == 0]
+    if len(shards) != 1 or not all(type(p) is Replicate for i, p in enumerate(placements) if i != shards[0]):
+        return None
+    return shards[0]
+
+
+class ShardedGradReducer:
+    """Sums full-shape local gradients over ranks into the grads of FSDP2/HSDP parameters, in buckets.
+
+    Each parameter's gradient is padded along dim 0 to a multiple of the shard count and cut into one
+    chunk per rank (FSDP2's own dim-0 layout), the chunks of a bucket's parameters are packed rank by
+    rank into one float32 buffer, and one reduce-scatter leaves each rank its shards (HSDP then sums
+    them over the replicate dim). A bucket is sent when it passes `bucket_bytes`; its collective runs
+    asynchronously while the caller builds the next bucket, and is waited on before the one after is
+    sent, so at most two buckets of full-shape gradients exist at a time. Placements other than
+    FSDP2's fall back to a Partial DTensor redistributed one parameter at a time.
+
+    Every rank must add the same parameters in the same order (the collectives must match).
+    """
+
+    def __init__(self, bucket_bytes: int | None = None):
+        self.bucket_bytes = BUCKET_BYTES if bucket_bytes is None else bucket_bytes
+        self._pending: list[tuple[DTensor, torch.Tensor | None]] = []
+        self._pending_bytes = 0
+        self._key = None  # (mesh, placements) of the pending bucket
+        self._in_flight = None  # (work, reduced buffer, params) of the bucket being reduced
+
+    def add(self, param: DTensor, grad: torch.Tensor | None) -> None:
+        """Queues sum-over-ranks of `grad` (param's full shape, any float dtype; None: zeros) into param.grad."""
+        shard_dim = _dim0_sharded(param)
+        if shard_dim is None:
+            full = grad if grad is not None else torch.zeros(param.shape, device=param.to_local().device)
+            accumulate_grad(param, reduce_to_param(full.to(param.dtype), param))
+            return
+        key = (param.device_mesh, param.placements)
+        if self._pending and key != self._key:
+            self._send()
+        self._key = key
+        self._pending.append((param, grad))
+        self._pending_bytes += _padded_numel(param, shard_dim) * param.element_size()
+        if self._pending_bytes >= self.bucket_bytes:
+            self._send()
+
+    def finish(self) -> None:
+        """Sends what is pending and writes every reduced shard into its parameter's grad."""
+        if self._pending:
+            self._send()
+        self._complete()
+
+    def _send(self) -> None:
+        params = [p for p, _ in self._pending]
+        mesh, placements = self._key
+        shard_dim = _dim0_sharded(params[0])
+        ranks, dtype = mesh.size(shard_dim), params[0].dtype
+        widths = [_padded_numel(p, shard_dim) // ranks for p in params]
+        buffer = torch.empty(ranks, sum(widths), dtype=dtype, device=params[0].to_local().device)
+        offset = 0
+        for (param, grad), width in zip(self._pending, widths):
+            _pack_chunks(buffer[:, offset : offset + width], grad, param.shape[0])
+            offset += width
+        self._pending, self._pending_bytes = [], 0
+        self._complete()  # at most one bucket in flight: its buffers are freed before the next is sent
+        reduced = buffer.new_empty(buffer.shape[1])
+        work = dist.reduce_scatter_tensor(reduced, buffer.view(-1), group=mesh.get_group(shard_dim), async_op=True)
+        self._in_flight = (work, reduced, params, widths, buffer)
+
+    def _complete(self) -> None:
+        if self._in_flight is None:
+            return
+        work, reduced, params, widths, _ = self._in_flight
+        self._in_flight = None
+        work.wait()
+        mesh, placements = params[0].device_mesh, params[0].placements
+        for dim, placement in enumerate(placements):
+            if type(placement) is Replicate:  # HSDP: the replicas hold the same shards of other samples
+                dist.all_reduce(reduced, group=mesh.get_group(dim))
+        for param, chunk in zip(params, reduced.split(widths)):
+            local = param.to_local()
+            shard = chunk.view(-1, *param.shape[1:])[: local.shape[0]]  # FSDP2 pads the last shards
+            if param.grad is None:
+                param.grad = DTensor.from_local(
+                    shard, mesh, placements, run_check=False, shape=param.shape, stride=param.stride()
+                )
+            else:
+                param.grad.to_local().add_(shard)
+
+
+def _padded_numel(param: DTensor, shard_dim: int) -> int:
+    """Elements of param's gradient padded along dim 0 to a multiple of the shard count."""
+    ranks = param.device_mesh.size(shard_dim)
+    rows = math.ceil(param.shape[0] / ranks) * ranks
+    return rows * math.prod(param.shape[1:])
+
+
+def _pack_chunks(dst: torch.Tensor, grad: torch.Tensor | None, rows: int) -> None:
+    """Writes grad's rows into dst (ranks, chunk * rest) as FSDP2 splits dim 0 (torch.chunk), zero-padded."""
+    ranks = dst.shape[0]
+    chunk = math.ceil(rows / ranks)
+    if chunk == 0:  # a parameter with no rows: nothing to send
+        return
+    dst = dst.view(ranks, chunk, -1)  # (ranks, rows per rank, elements per row)
+    if grad is None:
+        dst.zero_()
+        return
+    grad = grad.reshape(rows, -1)
+    full, rest = divmod(rows, chunk)
+    dst[:full].copy_(grad[: full * chunk].view(full, chunk, -1))
+    if rest:
+        dst[full, :rest].copy_(grad[full * chunk :])
+        dst[full, rest:].zero_()
+    dst[full + (1 if rest else 0) :].zero_()

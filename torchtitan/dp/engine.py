@@ -197,6 +197,7 @@ class DPEngine:
     def _bookkeeping_grads(self, scale: torch.Tensor) -> None:
         """sum_i scale_i g_i per parameter as one matmul per layer, reduced over ranks."""
         plain = []
+        sharded = dpdist.ShardedGradReducer()
         # Every record, captured or not, in a fixed order: ranks must issue the same collectives.
         for record in self._capture.records:
             if record.x is not None and record.grad is not None:
@@ -207,18 +208,15 @@ class DPEngine:
             record.x = record.grad = None  # free the layer's activations as soon as its grads exist
             for name, grad in grads.items():
                 param = record.params[name]
-                local = param.to_local() if isinstance(param, DTensor) else param
-                if grad is None:
-                    grad = torch.zeros(param.shape, dtype=param.dtype, device=local.device)
-                grad = grad.to(param.dtype)
                 if isinstance(param, DTensor):
-                    _accumulate(param, dpdist.reduce_to_param(grad, param))
+                    sharded.add(param, grad)  # reduce-scattered in buckets, cast to the param's dtype there
                 else:
-                    plain.append((param, grad))
+                    plain.append((param, torch.zeros_like(param) if grad is None else grad.to(param.dtype)))
+        sharded.finish()
         if self._groups and plain:
             dpdist.all_reduce_grads([g for _, g in plain], self._groups)
         for param, grad in plain:
-            _accumulate(param, grad)
+            dpdist.accumulate_grad(param, grad)
 
     def _add_noise(self, batch) -> None:
         if self.noise_multiplier == 0:
@@ -264,10 +262,3 @@ class DPEngine:
         """Detaches the engine from the model (its forwards run untouched afterwards)."""
         if self._capture is not None:
             self._capture.remove()
-
-
-def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
-    if param.grad is None:
-        param.grad = grad
-    else:
-        param.grad += grad
