@@ -60,7 +60,7 @@ def test_state_bytes_are_exact_for_the_debug_model():
     ema = EMA(model, 0.999)
     _train_step(model, args)
     optimizer.step()
-    estimate = estimate_memory(args, 8, "fp32", device_type="cpu")
+    estimate = estimate_memory(args, 8, "fp32")
     assert _count(model, optimizer, ema) == {k: estimate.parts[k] for k in _count(model, optimizer, ema)}
 
 
@@ -126,7 +126,7 @@ def test_fsdp_shards_match_fully_shard(fake_world):
     after_forward = breakdown.record("forward")
     loss.backward()
     optimizer.step()
-    estimate = estimate_memory(args, 8, "fp32", dp_shard=4, rank=3, device_type="cpu")
+    estimate = estimate_memory(args, 8, "fp32", dp_shard=4, rank=3)
     counted = _count(model, optimizer, ema)
     assert counted == {k: estimate.parts[k] for k in counted}
     # The root and the last block stay gathered from forward to backward (reshard_after_forward "default").

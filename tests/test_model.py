@@ -62,14 +62,16 @@ def test_adaln_zero_blocks_are_identity_at_init():
 def test_rope_is_relative():
     """Shifting every position by the same offset leaves all attention scores unchanged."""
     torch.manual_seed(0)
-    q, k = torch.randn(2, 4, 64, 32), torch.randn(2, 4, 64, 32)
+    q, k = torch.randn(2, 64, 4, 32), torch.randn(2, 64, 4, 32)  # (B, T, nh, hd), as the model applies it
     base = build_rope_2d(32, 8, 8)
     shifted = build_rope_2d(32, 8, 8, offset=(5, -3))
-    scores = apply_rope(q, base) @ apply_rope(k, base).transpose(-1, -2)
-    scores_shifted = apply_rope(q, shifted) @ apply_rope(k, shifted).transpose(-1, -2)
-    torch.testing.assert_close(scores, scores_shifted, rtol=1e-4, atol=1e-4)
+
+    def scores(table):  # (B, nh, T, T)
+        return apply_rope(q, table).transpose(1, 2) @ apply_rope(k, table).permute(0, 2, 3, 1)
+
+    torch.testing.assert_close(scores(base), scores(shifted), rtol=1e-4, atol=1e-4)
     # ... while the embedding itself does change the scores (it is not a no-op).
-    assert (scores - q @ k.transpose(-1, -2)).abs().max() > 1e-2
+    assert (scores(base) - q.transpose(1, 2) @ k.permute(0, 2, 3, 1)).abs().max() > 1e-2
 
 
 def _math_sdpa(q, k, v, **kwargs):

@@ -82,7 +82,7 @@ class SavedTensor:
     selective: bool = False  # kept by per-op selective AC: outputs of matmuls and attention, and the block input
 
 
-def block_saved_tensors(args: DiTArgs, device_type: str = "cuda") -> list[SavedTensor]:
+def block_saved_tensors(args: DiTArgs) -> list[SavedTensor]:
     """What one DiTBlock keeps for backward, per image, in the order its forward creates them."""
     D, T, nh, H = args.dim, args.num_tokens, args.num_heads, args.mlp_hidden_dim
     fc1_out = 2 * H if args.mlp == "swiglu" else H
@@ -103,13 +103,10 @@ def block_saved_tensors(args: DiTArgs, device_type: str = "cuda") -> list[SavedT
             SavedTensor("q, k normalized before the RMSNorm weight (B, nh, T, hd) x 2", 2 * T * D, compiled=False),
         ]
     if args.qk_norm or args.pos_embed == "rope2d":
-        rows.append(SavedTensor("attention's q, k after QK-norm / RoPE (B, nh, T, hd) x 2", 2 * T * D))
-    rows.append(SavedTensor("attention output (B, nh, T, hd)", T * D, selective=True))
+        rows.append(SavedTensor("attention's q, k after QK-norm / RoPE (B, T, nh, hd) x 2", 2 * T * D))
+    # Laid out like q, token-major, so proj reads (B, T, D) as a view of it.
+    rows.append(SavedTensor("attention output (B, T, nh, hd)", T * D, selective=True))
     rows.append(SavedTensor("attention logsumexp (B, nh, T), fp32", nh * T, "fp32", selective=True))
-    if device_type == "cpu" and (args.qk_norm or args.pos_embed == "rope2d"):
-        # CPU attention lays its output out like q: a fresh (B, nh, T, hd) q makes (B, T, D) a copy. On CUDA,
-        # flash and cuDNN write (B, T, nh, hd), so proj reads a view.
-        rows.append(SavedTensor("attention output copied to (B, T, D) for proj (CPU layout)", T * D))
     rows += [
         SavedTensor("proj output (B, T, D): gate_msa's multiplicand", T * D, selective=True),
         SavedTensor("x + gate_msa * attn (B, T, D): norm2's input", T * D, "norm_in"),
@@ -224,11 +221,11 @@ def _blocks_with_ac(depth: int, ac_mode: str, ac_option: str) -> list[str]:
 
 
 def _activation_parts(args: DiTArgs, batch: int, precision: str, ac_mode: str, ac_option: str, compiled: bool,
-                      device_type: str, lines: list[str]) -> dict[str, int]:  # fmt: skip
+                      lines: list[str]) -> dict[str, int]:  # fmt: skip
     """Bytes kept from forward to backward, and the extra a backward step needs at its peak."""
     D, T, B = args.dim, args.num_tokens, batch
     compute = 4 if precision == "fp32" else 2
-    rows = block_saved_tensors(args, device_type)
+    rows = block_saved_tensors(args)
     mode = "compiled (inductor partitioner)" if compiled else "eager"
     lines.append(f"one residual-stream tensor = B x T x D x bytes = {B} x {T} x {D} x {compute} B = "
                  f"{_fmt(B * T * D * compute)}")  # fmt: skip
@@ -280,7 +277,7 @@ def _activation_parts(args: DiTArgs, batch: int, precision: str, ac_mode: str, a
 
 def estimate_memory(args: DiTArgs, batch: int, precision: str = "bf16_autocast", ac_mode: str = "none",
                     ac_option: str = "op", compiled: bool = False, dp_shard: int = 1, dp_replicate: int = 1,
-                    rank: int = 0, ema: bool = True, device_type: str = "cuda") -> MemoryEstimate:  # fmt: skip
+                    rank: int = 0, ema: bool = True) -> MemoryEstimate:  # fmt: skip
     """Memory of one rank training DiT(args) with AdamW.
 
     Args:
@@ -292,7 +289,6 @@ def estimate_memory(args: DiTArgs, batch: int, precision: str = "bf16_autocast",
         dp_shard: FSDP degree (sharding); dp_replicate: DDP / HSDP replicas (DDP adds gradient buckets).
         rank: the shard rank to report (rank 0 holds the largest shards).
         ema: whether an fp32 EMA of the weights is kept.
-        device_type: "cuda" or "cpu" (CPU's attention output needs one more copy).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
@@ -302,7 +298,7 @@ def estimate_memory(args: DiTArgs, batch: int, precision: str = "bf16_autocast",
     if dp_replicate > 1 and dp_shard == 1:
         est.parts["ddp_buckets"] = est.parts["gradients"]  # the reducer's bucket copy of the gradients
         est.lines.append("DDP: gradient buckets as large as the gradients (gradient_as_bucket_view off)")
-    est.parts.update(_activation_parts(args, batch, precision, ac_mode, ac_option, compiled, device_type, est.lines))
+    est.parts.update(_activation_parts(args, batch, precision, ac_mode, ac_option, compiled, est.lines))
     transient = 0
     if fsdp:
         # The all-gather output of a parameter is its padded shard times the shard degree.
@@ -341,7 +337,7 @@ def estimate_from_job_config(cfg, world_size: int = 1, device_type: str = "cuda"
     ac = cfg.activation_checkpoint
     compiled = cfg.compile.enable and "model" in cfg.compile.components
     return estimate_memory(args, cfg.training.local_batch_size, precision, ac.mode, ac.selective_ac_option, compiled,
-                           dims.dp_shard, dims.dp_replicate, rank, cfg.training.ema_decay > 0, device_type)  # fmt: skip
+                           dims.dp_shard, dims.dp_replicate, rank, cfg.training.ema_decay > 0)  # fmt: skip
 
 
 def max_batch_that_fits(budget_bytes: int, estimate_fn, limit: int = 1 << 16) -> int:
@@ -372,7 +368,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--replicate", type=int, default=1, help="DDP / HSDP replicas")
     parser.add_argument("--rank", type=int, default=0, help="shard rank to report")
     parser.add_argument("--no-ema", action="store_true")
-    parser.add_argument("--device-type", default="cuda", choices=("cuda", "cpu"))
     for name in ("input_size", "in_channels", "patch_size", "num_classes"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help="flavor override")
     parser.add_argument("--device-memory-gib", type=float, default=0.0, help="also print the largest batch that fits")
@@ -385,7 +380,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def estimate(batch: int) -> MemoryEstimate:
         return estimate_memory(args, batch, a.precision, a.ac, a.ac_option, a.compile, a.shard, a.replicate,
-                               a.rank, not a.no_ema, a.device_type)  # fmt: skip
+                               a.rank, not a.no_ema)  # fmt: skip
 
     print(estimate(a.batch).report())
     if a.device_memory_gib > 0:

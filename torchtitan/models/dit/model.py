@@ -141,7 +141,9 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Conv2d(in_channels, dim, kernel_size=patch_size, stride=patch_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(x).flatten(2).transpose(1, 2)  # (B, T, D)
+        # Contiguous (B, T, D): as a transposed view of the conv's (B, D, T), the layout would carry through every
+        # compiled block (Inductor keeps an input's stride order), and each norm would read D with stride T.
+        return self.proj(x).flatten(2).transpose(1, 2).contiguous()  # (B, T, D)
 
 
 class LearnedPosEmbed(nn.Module):
@@ -191,12 +193,14 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None, block_mask=None) -> torch.Tensor:
         B, T, D = x.shape
-        qkv = self.qkv(x).view(B, T, 3, self.num_heads, D // self.num_heads)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, nh, T, hd)
+        q, k, v = self.qkv(x).view(B, T, 3, self.num_heads, D // self.num_heads).unbind(2)  # each (B, T, nh, hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
+        # Token-major storage seen as (B, nh, T, hd): cuDNN attention writes its output (and its gradients) in the
+        # layout of its inputs, so the reshape to (B, T, D) below is a view, not a transposing copy.
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if isinstance(block_mask, torch.Tensor):  # CPU: FlexAttention has no CPU backward; same maths, dense mask
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=block_mask)
         elif block_mask is not None:

@@ -36,9 +36,10 @@ def build_rope_2d(
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     """Rotates pairs (x[i], x[i + hd/2]) of x's last dim ("rotate half", as GPT-NeoX).
 
-    x: (B, nh, T, hd), rope: (T, hd/2, 2). Contiguous halves rather than interleaved pairs keep the
-    fused kernel's loads and stores contiguous; the rotation is linear, so backward keeps no activations.
+    x: (B, T, nh, hd), token-major as the qkv projection writes it; rope: (T, hd/2, 2). Contiguous halves
+    rather than interleaved pairs keep the fused kernel's loads and stores contiguous; the rotation is
+    linear, so backward keeps no activations.
     """
-    cos, sin = rope[..., 0].to(x.dtype), rope[..., 1].to(x.dtype)  # (T, hd/2)
+    cos, sin = rope[:, None, :, 0].to(x.dtype), rope[:, None, :, 1].to(x.dtype)  # (T, 1, hd/2)
     x1, x2 = x.chunk(2, dim=-1)  # each (B, nh, T, hd/2)
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
