@@ -24,6 +24,8 @@ def profile_steps(trainer, steps: int = 3) -> None:
     """Prints the top CUDA kernels of a few warm steps and the memory one forward leaves for backward."""
     import torch
 
+    from torchtitan.components.profiling import kernel_summary
+
     x, y = next(trainer.dataloader)
     x, y = x.to(trainer.device), y.to(trainer.device)
     torch.cuda.synchronize()
@@ -34,11 +36,13 @@ def profile_steps(trainer, steps: int = 3) -> None:
     trainer.optimizer.zero_grad(set_to_none=True)
     print(f"PROFILE activations kept by one forward: {(after - before) / 1024**3:.2f} GiB "
           f"({(after - before) / x.shape[0] / 1024**2:.1f} MiB per image)", flush=True)  # fmt: skip
+    torch.cuda.synchronize()
+    start = time.perf_counter()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             trainer.train_step()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70), flush=True)
+    print(kernel_summary(prof, steps, 1000 * (time.perf_counter() - start) / steps), flush=True)
 
 
 def run_case(train_args: list[str], warmup: int, steps: int, profile: bool = False) -> dict:

@@ -69,3 +69,35 @@ class Profiler:
             self.torch_profiler.stop()
         if self.snapshots:
             torch.cuda.memory._record_memory_history(enabled=None)
+
+
+# Kernel name patterns -> category, first match wins (cuBLAS nvjet/xmma GEMMs, cuDNN/flash attention, Inductor's
+# fused Triton kernels, the optimizer's and EMA's multi-tensor kernels).
+KERNEL_CATEGORIES = [
+    ("dp norms (flash kernels)", ("_gram_kernel", "_explicit_kernel")),
+    ("attention", ("sdpa", "fmha", "flash", "attention", "cudnn")),
+    ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "splitk", "gemv")),
+    ("inductor triton", ("triton_",)),
+    ("optimizer + ema (multi-tensor)", ("multi_tensor", "fused_adam", "foreach")),
+    ("aten elementwise/reduce", ("elementwise", "reduce_kernel", "reduce")),
+    ("copy/memset", ("memcpy", "memset", "copy", "cat")),
+]
+
+
+def kernel_summary(prof: torch.profiler.profile, steps: int, wall_ms: float, top: int = 30) -> str:
+    """A markdown summary of a CUDA profile of `steps` steps: GPU time per step by kernel category, then the
+    top kernels; `wall_ms` (the host's time per step) tells how busy the GPU was."""
+    kernels = [(e.key, e.self_device_time_total / 1000 / steps, e.count / steps) for e in prof.key_averages()]
+    totals: dict[str, float] = {}
+    for name, ms, _ in kernels:
+        low = name.lower()
+        category = next((c for c, keys in KERNEL_CATEGORIES if any(k in low for k in keys)), "other")
+        totals[category] = totals.get(category, 0.0) + ms
+    busy = sum(totals.values())
+    lines = [f"PROFILE per step: wall {wall_ms:.1f} ms, kernels {busy:.1f} ms ({100 * busy / wall_ms:.0f}% busy)",
+             "| category | ms/step | % of kernel time |", "|---|---|---|"]  # fmt: skip
+    lines += [f"| {c} | {ms:.2f} | {100 * ms / busy:.1f} |" for c, ms in sorted(totals.items(), key=lambda kv: -kv[1])]
+    lines += ["| kernel | ms/step | calls/step |", "|---|---|---|"]
+    for name, ms, calls in sorted(kernels, key=lambda k: -k[1])[:top]:
+        lines.append(f"| {name[:110]} | {ms:.3f} | {calls:.0f} |")
+    return "\n".join(lines)

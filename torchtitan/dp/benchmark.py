@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from torchtitan.components.profiling import kernel_summary
 from torchtitan.dp import DP_MODES, DPEngine
 from torchtitan.dp import flash_kernels as fk
 from torchtitan.models.dit import DiT, dit_configs
@@ -30,7 +31,8 @@ def measure_mode(
     if compile_blocks:  # per block, as the trainer does, before the engine hooks the model
         for block in model.blocks.values():
             block.compile()
-    engine = DPEngine(model, mode, max_grad_norm=1.0, noise_multiplier=1.0)
+    # The batch size is known, as in the trainer: counting it would make the noise's std a host sync each step.
+    engine = DPEngine(model, mode, max_grad_norm=1.0, noise_multiplier=1.0, global_batch_size=batch_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     c, size = model_args.in_channels, model_args.input_size
     x = torch.randn(batch_size, c, size, size, device="cuda")
@@ -56,10 +58,13 @@ def measure_mode(
     torch.cuda.synchronize()
     step_time = (time.perf_counter() - start) / steps
     if profile:
+        start = time.perf_counter()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            train_step()
+            for _ in range(3):
+                train_step()
             torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12), flush=True)
+        print(f"PROFILE mode {mode}", flush=True)
+        print(kernel_summary(prof, 3, 1000 * (time.perf_counter() - start) / 3), flush=True)
     result = {
         "mode": mode,
         "compile": compile_blocks,
@@ -103,7 +108,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--modes", default=",".join(DP_MODES))
     parser.add_argument("--skip-kernels", action="store_true")
-    parser.add_argument("--profile", action="store_true", help="print the top CUDA ops of one step of each mode")
+    parser.add_argument("--profile", action="store_true", help="print GPU time by kernel category of each mode")
     parser.add_argument("--compile", action="store_true", help="torch.compile each block")
     args = parser.parse_args()
     model_args = dataclasses.replace(dit_configs[args.flavor], input_size=args.input_size, in_channels=args.in_channels)
