@@ -8,11 +8,6 @@ the variable set, where the tests marked `needs_interpreter` run.
 """
 
 import logging
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +15,7 @@ from torch import nn
 
 from torchtitan.dp import DPEngine
 from torchtitan.dp import flash_kernels as fk
-from torchtitan.dp.testing import clipped_mean, per_sample_grads
+from torchtitan.dp.testing import clipped_mean, per_sample_grads, rerun_under_triton_interpreter
 
 pytestmark = pytest.mark.skipif(fk.triton is None, reason="triton is not installed")
 needs_interpreter = pytest.mark.skipif(
@@ -30,12 +25,7 @@ needs_interpreter = pytest.mark.skipif(
 
 @pytest.mark.skipif(fk.triton_interpreting(), reason="this is the child")
 def test_kernels_in_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:warnings", __file__]
-    result = subprocess.run(cmd, env=env, cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]
-    ran = re.search(r"(\d+) passed", result.stdout)
-    assert ran and int(ran.group(1)) >= 11, result.stdout[-500:]  # the interpreter tests did run
+    rerun_under_triton_interpreter(__file__, min_passed=12)
 
 
 # (B, T, d, p): ragged edges everywhere, more than one tile along T (Gram: off-diagonal tiles
@@ -57,6 +47,19 @@ def test_kernels_match_torch(shape, gram):
     a_t = torch.randn(B, d, T, generator=g).transpose(1, 2)
     expected = fk.explicit_norm_sq_torch(a_t.double(), grad.double()).float()
     torch.testing.assert_close(fk._triton_norm_sq(a_t, grad, gram), expected, rtol=1e-5, atol=0)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scale_kernel_matches_torch(dtype):
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(3, 70, 65, generator=g).to(dtype)  # 4550 elements a sample: two blocks, a ragged one
+    coef = torch.rand(3, generator=g).to(dtype)
+    expected = (t.float() * coef.float().view(-1, 1, 1)).to(dtype)  # one rounding of the fp32 product
+    # The interpreter truncates float32 -> bf16 where CUDA rounds to nearest (test_scale_kernel_on_cuda): 1 ulp.
+    rtol = 0 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(fk.scale_samples(t, coef), expected, rtol=rtol, atol=0)
+    assert torch.equal(fk.scale_samples(t.transpose(1, 2), coef), expected.transpose(1, 2))  # strided: torch path
 
 
 @needs_interpreter
@@ -108,3 +111,10 @@ def test_compiled_kernels_on_cuda(dtype, gram):
         expected = fk.explicit_norm_sq_torch(a.double(), grad.double()).float()  # same inputs, exact sums
         # bf16 inputs are exact in the kernel's fp32 products; only the accumulation order differs.
         torch.testing.assert_close(fk._triton_norm_sq(a, grad, gram), expected, rtol=1e-4, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or fk.triton_interpreting(), reason="needs CUDA, compiled")
+def test_scale_kernel_on_cuda():
+    t = torch.randn(5, 300, 77, device="cuda").bfloat16()
+    coef = torch.rand(5, device="cuda").bfloat16()
+    assert torch.equal(fk.scale_samples(t, coef), t * coef.view(-1, 1, 1))  # bf16 multiply: fp32, one rounding

@@ -1,4 +1,5 @@
-"""DP noise: statistics, seeding, layout independence, and exact resume through the engine."""
+"""DP noise: statistics, seeding, layout independence, and exact resume through the engine; both ways of
+drawing it (torch generator blocks here, the Philox Triton kernel of CUDA in Triton's interpreter)."""
 
 import math
 
@@ -8,7 +9,14 @@ from torch import nn
 
 from torchtitan.dp import DPEngine
 from torchtitan.dp import noise as dpnoise
-from torchtitan.dp.testing import clipped_mean, per_sample_grads
+from torchtitan.dp.flash_kernels import triton, triton_interpreting
+from torchtitan.dp.testing import clipped_mean, per_sample_grads, rerun_under_triton_interpreter
+
+
+@pytest.mark.skipif(triton is None or triton_interpreting(), reason="needs triton; this is the child")
+def test_philox_noise_in_interpreter():
+    # The statistics, seeding and engine tests below run there again, on the Triton kernel's noise.
+    rerun_under_triton_interpreter(__file__, min_passed=7)
 
 
 def test_noise_statistics():
@@ -30,6 +38,33 @@ def test_noise_is_a_function_of_seed_step_and_name():
         assert not torch.equal(same, dpnoise.gaussian_noise(param, *changed, 1.0))
 
 
+@pytest.mark.skipif(not (triton_interpreting() or torch.cuda.is_available()), reason="the Philox kernel's test")
+@pytest.mark.parametrize("shape", [(37, 5), (37,), (4, 6, 5)])
+def test_shards_add_the_slice_of_the_whole(monkeypatch, shape):
+    """The kernel's noise on a range of rows (an FSDP shard), or on any other region, is that region of the
+    whole tensor's noise."""
+    device = "cpu" if triton_interpreting() else "cuda"
+    param, full = torch.empty(shape, device=device), torch.zeros(shape, device=device)
+    dpnoise.add_gaussian_noise_(full, param, "p", 3, 4, 0.5)
+    assert (full != 0).all()  # every element got a draw
+    columns = [slice(0, n) for n in shape[1:]]
+    regions = [
+        (slice(0, 1), *columns),
+        (slice(1, shape[0]), *columns),
+        (slice(shape[0] // 3, shape[0] // 2 + 1), *columns),
+    ]
+    if len(shape) > 1:  # a column shard: not a range of the global element order
+        regions.append((slice(2, min(30, shape[0])), slice(1, 3), *columns[1:]))
+    for region in regions:
+        monkeypatch.setattr(dpnoise, "local_region", lambda param, region=region: region)  # as for a shard
+        part = torch.zeros([s.stop - s.start for s in region], device=device)
+        dpnoise.add_gaussian_noise_(part, param, "p", 3, 4, 0.5)
+        assert torch.equal(part, full[region])
+    monkeypatch.undo()
+    assert dpnoise.gaussian_noise(torch.empty((), device=device), "scalar", 0, 0, 1.0).shape == ()
+
+
+@pytest.mark.skipif(triton_interpreting(), reason="the torch path: CPU without the interpreter")
 @pytest.mark.parametrize("shape", [(37, 5), (37,), (), (4, 6, 5)])
 def test_any_region_equals_the_slice_of_the_whole(monkeypatch, shape):
     monkeypatch.setattr(dpnoise, "_BLOCK_NUMEL", 16)  # many blocks on a small tensor

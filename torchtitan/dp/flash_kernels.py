@@ -117,6 +117,38 @@ def _bmm_float32(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 _BMM_OUT_DTYPE = hasattr(torch.ops.aten.bmm, "dtype")
 
 
+def scale_samples(t: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
+    """t[i] * coef[i] for each sample i along dim 0, computed in float32 and rounded to t's dtype.
+
+    Book-keeping scales one operand of every weight-gradient matmul by the clipping coefficients. PyTorch's
+    broadcast multiply takes its unvectorized path for this shape; one Triton pass over a contiguous t runs
+    at memory bandwidth on CUDA. Elsewhere (and for strided t) the torch multiply, same values.
+    """
+    if triton is None or not (t.is_cuda or _INTERPRETING) or not t.is_contiguous() or t.dim() == 0:
+        return (t.float() * coef.float().view(-1, *([1] * (t.dim() - 1)))).to(t.dtype)
+    out = torch.empty_like(t)
+    sample_numel = t[0].numel()
+    if out.numel():
+        grid = (triton.cdiv(sample_numel, _SCALE_BLOCK), t.shape[0])
+        _scale_kernel[grid](t, coef.float().contiguous(), out, sample_numel, _SCALE_BLOCK)
+    return out
+
+
+_SCALE_BLOCK = 4096
+
+
+@_jit
+def _scale_kernel(t_ptr, coef_ptr, out_ptr, sample_numel, BLOCK: tl.constexpr):
+    # One program: BLOCK elements of sample b.
+    b = tl.program_id(1)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < sample_numel
+    base = b.to(tl.int64) * sample_numel
+    x = tl.load(t_ptr + base + offs, mask=mask)
+    c = tl.load(coef_ptr + b)
+    tl.store(out_ptr + base + offs, (x.to(tl.float32) * c).to(x.dtype), mask=mask)
+
+
 @functools.cache
 def _log_fallback_once(device_type: str) -> None:
     logger.info(

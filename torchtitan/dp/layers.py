@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.dp.flash_kernels import matmul_grad_norm_sq
+from torchtitan.dp.flash_kernels import matmul_grad_norm_sq, scale_samples
 
 NormFn = Callable[[nn.Module, torch.Tensor, torch.Tensor, tuple[str, ...], bool, int], torch.Tensor]
 GradFn = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, tuple[str, ...], int], dict[str, torch.Tensor]]
@@ -74,7 +74,7 @@ def scale_per_sample(t: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
     """
     if t.dtype in (torch.bfloat16, torch.float16):
         coef = coef * (1 - torch.finfo(t.dtype).eps)
-    return t * coef.to(t.dtype).view(-1, *([1] * (t.dim() - 1)))
+    return scale_samples(t, coef.to(t.dtype))
 
 
 # Linear and Conv2d: a matmul per token, weight grad A^T G.

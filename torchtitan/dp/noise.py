@@ -1,13 +1,17 @@
 """Gaussian noise of DP-SGD: one draw per element of the global gradient, whatever the sharding.
 
-The noise of a parameter is a fixed function of (seed, step, parameter name): its rows are cut
-into blocks of about 2^20 elements, and block k is drawn from a generator seeded with a hash of
-(seed, step, crc32(name), k). A rank draws only the blocks that overlap its shard and slices
-them, so
+The noise of a parameter is a fixed function of (seed, step, parameter name), drawn one of two ways:
+- on CUDA (and in Triton's interpreter), counter-based: element e of the global tensor gets one of the four
+  normals that Philox draws from the key hash(seed, step, crc32(name)) and the counter e // 4, in one Triton
+  pass that adds it to the gradient in place (an FSDP shard is a range of global rows, so of counters);
+- elsewhere, its rows are cut into blocks of about 2^20
+  elements, and block k is drawn from a torch generator seeded with a hash of (seed, step,
+  crc32(name), k); a rank draws only the blocks that overlap its shard and slices them.
+Either way
 - every element of the global gradient gets exactly one draw (shards partition the elements,
   and replicas of a shard draw the same values);
 - the values do not depend on the layout: a single process, DDP, FSDP and HSDP runs of the same
-  step add the same noise (given the same device type, whose generator defines the values);
+  step add the same noise (given the same device type, which picks the way);
 - a resumed run that restores the step counter draws what the uninterrupted run would have.
 """
 
@@ -16,6 +20,8 @@ import zlib
 
 import torch
 from torch.distributed.tensor import DTensor, Shard
+
+from torchtitan.dp.flash_kernels import _jit, tl, triton, triton_interpreting
 
 _BLOCK_NUMEL = 1 << 20
 _MASK64 = (1 << 64) - 1
@@ -61,7 +67,8 @@ def local_region(param: torch.Tensor) -> tuple[slice, ...]:
 
 
 def gaussian_noise(param: torch.Tensor, name: str, seed: int, step: int, std: float) -> torch.Tensor:
-    """N(0, std^2) noise for this rank's part of `param`, in the local tensor's shape and dtype.
+    """N(0, std^2) noise for this rank's part of `param`, in the local tensor's shape and dtype: what
+    `add_gaussian_noise_` adds to that part of the gradient.
 
     Args:
         param: a parameter, plain or a DTensor (its global shape defines the noise).
@@ -71,16 +78,54 @@ def gaussian_noise(param: torch.Tensor, name: str, seed: int, step: int, std: fl
         std: the standard deviation.
     """
     local = param.to_local() if isinstance(param, DTensor) else param
-    noise = standard_noise(tuple(param.shape), local_region(param), name, seed, step, local.device)
-    return noise.mul_(std).to(local.dtype).reshape(local.shape)
+    noise = torch.zeros(local.shape, device=local.device, dtype=torch.float32)
+    add_gaussian_noise_(noise, param, name, seed, step, std)
+    return noise.to(local.dtype)
 
 
 def add_gaussian_noise_(grad: torch.Tensor, param: torch.Tensor, name: str, seed: int, step: int, std: float) -> None:
-    """grad += gaussian_noise(param, ...) block by block, for grad the local tensor of param's gradient."""
+    """grad += N(0, std^2) noise, for grad the local tensor of param's gradient (this rank's region of it)."""
     region = local_region(param) or (slice(0, 1),)
-    rows_view = grad.view([s.stop - s.start for s in region])  # a 0-dim gradient as one row
-    for rows, values in _noise_blocks(tuple(param.shape), region, name, seed, step, grad.device):
-        rows_view[rows].add_(values, alpha=std)
+    global_shape = tuple(param.shape) or (1,)  # a 0-dim parameter is one row of one element
+    local_view = grad.view([s.stop - s.start for s in region])  # a 0-dim gradient as one row
+    if triton is None or not (grad.is_cuda or triton_interpreting()):
+        for rows, values in _noise_blocks(global_shape, region, name, seed, step, grad.device):
+            local_view[rows].add_(values, alpha=std)
+        return
+    key, row_numel = block_seed(seed, step, name, 0), math.prod(global_shape[1:])
+    if all(s == slice(0, n) for s, n in zip(region[1:], global_shape[1:])) and grad.is_contiguous():
+        _launch_noise_kernel(grad, region[0].start * row_numel, key, std)  # a range of rows: in place
+        return
+    rows = torch.zeros((region[0].stop - region[0].start, *global_shape[1:]), device=grad.device)
+    _launch_noise_kernel(rows, region[0].start * row_numel, key, std)  # the region's rows, then its columns
+    local_view.add_(rows[(slice(None), *region[1:])])
+
+
+def _launch_noise_kernel(out: torch.Tensor, first: int, key: int, std: float) -> None:
+    """out (contiguous) += std * the global noise from element index `first` on."""
+    if out.numel():
+        # Programs cover aligned blocks of global indices (each Philox call yields four normals for four
+        # neighbours), so a block may start before the first element: those lanes are masked.
+        grid = (triton.cdiv(first % _NOISE_BLOCK + out.numel(), _NOISE_BLOCK),)
+        _add_noise_kernel[grid](out, out.numel(), first, key, float(std), _NOISE_BLOCK)
+
+
+_NOISE_BLOCK = 4096
+
+
+@_jit
+def _add_noise_kernel(grad_ptr, numel, first, key, std, BLOCK: tl.constexpr):
+    # grad[i] += std * z[first + i], z[e] the normal that Philox draws from (key, counter e // 4) in lane
+    # [0, 2, 1, 3][e % 4]: a function of the element's index in the global tensor alone. One pass over the
+    # gradient, no noise tensor in memory.
+    start = (first // BLOCK + tl.program_id(0).to(tl.int64)) * BLOCK  # global index of this block's first element
+    counters = start // 4 + tl.arange(0, BLOCK // 4)
+    z0, z1, z2, z3 = tl.randn4x(key, counters)
+    z = tl.reshape(tl.join(tl.join(z0, z1), tl.join(z2, z3)), (BLOCK,))  # element 4 j + 2 a + b: z_(2 b + a)[j]
+    local = start + tl.arange(0, BLOCK) - first
+    mask = (local >= 0) & (local < numel)
+    g = tl.load(grad_ptr + local, mask=mask)
+    tl.store(grad_ptr + local, (g.to(tl.float32) + std * z).to(g.dtype), mask=mask)
 
 
 def standard_noise(
@@ -95,7 +140,7 @@ def standard_noise(
 
 
 def _noise_blocks(global_shape, region, name, seed, step, device):
-    """Yields (rows of the region, their values) for each noise block overlapping the region."""
+    """Yields (rows of the region, their values) for each noise block overlapping the region (torch generators)."""
     global_shape = global_shape or (1,)  # a 0-dim parameter is one row of one element
     if any(s.stop <= s.start for s in region):
         return

@@ -1,6 +1,12 @@
-"""Reference DP-SGD gradients from torch.func, to check the engine (and any new layer rule) against."""
+"""Reference DP-SGD gradients from torch.func, to check the engine (and any new layer rule) against; and a
+runner for the tests of the Triton kernels under Triton's CPU interpreter."""
 
 import copy
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -37,3 +43,19 @@ def clipped_mean(grads: dict[str, torch.Tensor], max_grad_norm: float, batch_siz
     coef = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
     batch_size = batch_size or norms.shape[0]
     return {n: torch.einsum("b...,b->...", g, coef) / batch_size for n, g in grads.items()}, norms
+
+
+def rerun_under_triton_interpreter(test_file: str, min_passed: int) -> None:
+    """Runs a test module again in a child process with TRITON_INTERPRET=1, and asserts that it passed.
+
+    triton.jit picks the interpreter or the compiler when it decorates, and triton decorates its own library
+    functions (tl.sum, ...) when it is first imported, so the variable must be set before anything imports
+    triton: the pytest process has long imported it (collection imports every test module). `min_passed`
+    proves the interpreter-only tests did run in the child.
+    """
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-p", "no:warnings", test_file]
+    result = subprocess.run(cmd, env=env, cwd=Path(test_file).parents[1], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]
+    ran = re.search(r"(\d+) passed", result.stdout)
+    assert ran and int(ran.group(1)) >= min_passed, result.stdout[-500:]
