@@ -99,8 +99,8 @@ def block_saved_tensors(args: DiTArgs) -> list[SavedTensor]:
     ]
     if args.qk_norm:
         rows += [
-            SavedTensor("q, k RMSNorm statistics (B, nh, T) x 2, fp32", 2 * nh * T, "fp32"),
-            SavedTensor("q, k normalized before the RMSNorm weight (B, nh, T, hd) x 2", 2 * T * D, compiled=False),
+            SavedTensor("q, k RMSNorm statistics (B, T, nh) x 2, fp32", 2 * nh * T, "fp32"),
+            SavedTensor("q, k normalized before the RMSNorm weight (B, T, nh, hd) x 2", 2 * T * D, compiled=False),
         ]
     if args.qk_norm or args.pos_embed == "rope2d":
         rows.append(SavedTensor("attention's q, k after QK-norm / RoPE (B, T, nh, hd) x 2", 2 * T * D))

@@ -41,5 +41,5 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     linear, so backward keeps no activations.
     """
     cos, sin = rope[:, None, :, 0].to(x.dtype), rope[:, None, :, 1].to(x.dtype)  # (T, 1, hd/2)
-    x1, x2 = x.chunk(2, dim=-1)  # each (B, nh, T, hd/2)
+    x1, x2 = x.chunk(2, dim=-1)  # each (B, T, nh, hd/2)
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
