@@ -128,17 +128,6 @@ def _add_noise_kernel(grad_ptr, numel, first, key, std, BLOCK: tl.constexpr):
     tl.store(grad_ptr + local, (g.to(tl.float32) + std * z).to(g.dtype), mask=mask)
 
 
-def standard_noise(
-    global_shape: tuple[int, ...], region: tuple[slice, ...], name: str, seed: int, step: int, device: torch.device
-) -> torch.Tensor:
-    """float32 N(0, 1) values of `region` of the global noise tensor; only overlapping blocks are drawn."""
-    region = region or (slice(0, 1),)
-    blocks = [values for _, values in _noise_blocks(global_shape, region, name, seed, step, device)]
-    if not blocks:
-        return torch.zeros([s.stop - s.start for s in region], device=device)
-    return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
-
-
 def _noise_blocks(global_shape, region, name, seed, step, device):
     """Yields (rows of the region, their values) for each noise block overlapping the region (torch generators)."""
     global_shape = global_shape or (1,)  # a 0-dim parameter is one row of one element
