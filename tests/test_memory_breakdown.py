@@ -135,5 +135,7 @@ def test_dp_buffers_at_the_norm_stage(tmp_path, mode):
     # output gradient is the timestep MLP's (c = t_emb + y_emb hands one tensor to both): one storage.
     per_block = 64 * (3 * 128 + 128 + 512 + 128) + 6 * 128
     per_sample = 4 * per_block + 64 * 128 + 128 + 128 + 64 * 4 + 2 * 128
-    assert by["dp_norms"]["dp_buffers"] == 8 * 4 * per_sample + norms
+    # And each Linear/Conv2d's per-sample bias sums (fp32, one value per output feature), kept for the grad pass.
+    bias_sums = 4 * (3 * 128 + 128 + 512 + 128 + 6 * 128) + 128 + 128 + 128 + 4 + 2 * 128
+    assert by["dp_norms"]["dp_buffers"] == 8 * 4 * (per_sample + bias_sums) + norms
     assert by["dp_norms"]["total"] == sum(by["dp_norms"][p] for p in PARTS)

@@ -31,13 +31,14 @@ class LayerRecord:
         self.params = params  # as registered now (the sharded DTensors under FSDP)
         self.x: torch.Tensor | None = None  # the input of this step's call
         self.grad: torch.Tensor | None = None  # the output gradient (book-keeping keeps it)
+        self.state: dict = {}  # what the rule's norm_sq left for its grads, this step
         self.forward_params: dict[str, torch.Tensor] = {}  # the tensors the call used (unsharded under FSDP)
         self.owned_nodes: set | None = None  # autograd nodes the call created (first step only)
         self.output_node = None  # grad_fn of the call's output (first step only)
 
     def clear(self) -> None:
         self.x = self.grad = self.owned_nodes = self.output_node = None
-        self.forward_params = {}
+        self.forward_params, self.state = {}, {}
 
 
 def build_records(model: nn.Module) -> list[LayerRecord]:

@@ -159,9 +159,10 @@ class DPEngine:
                     f"module {record.name} saw {grad.shape[0]} rows for {losses.shape[0]} samples x K = {group} "
                     "(augmult: the forward must run on B * K rows, each sample's K draws consecutive)"
                 )
-            norm_sq.add_(record.rule.norm_sq(record.module, record.x, grad, record.param_names, flash, group))
+            rule = record.rule
+            norm_sq.add_(rule.norm_sq(record.module, record.x, grad, record.param_names, flash, group, record.state))
             if two_pass:
-                record.x = None  # the second pass is a normal backward: free the input now
+                record.x, record.state = None, {}  # the second pass is a normal backward: free the input now
             else:
                 record.grad = grad
 
@@ -202,10 +203,11 @@ class DPEngine:
         for record in self._capture.records:
             if record.x is not None and record.grad is not None:
                 grads = record.rule.grads(record.module, record.x, record.grad, scale, record.param_names,
-                                          self._group)  # fmt: skip
+                                          self._group, record.state)  # fmt: skip
             else:  # the layer did not reach the loss on this rank
                 grads = {n: None for n in record.param_names}
             record.x = record.grad = None  # free the layer's activations as soon as its grads exist
+            record.state = {}
             for name, grad in grads.items():
                 param = record.params[name]
                 if isinstance(param, DTensor):
@@ -244,11 +246,14 @@ class DPEngine:
         return size
 
     def buffer_tensors(self) -> list[torch.Tensor]:
-        """The engine's own memory now: the norms being summed and book-keeping's kept output gradients.
+        """The engine's own memory now.
 
+        That is the norms being summed and, in book-keeping modes, every layer's kept output gradient and
+        the per-sample pieces its rule kept for the gradient pass (a bias's per-sample sums).
         Layer inputs are not counted: they are the very tensors autograd saves for backward (activations).
         """
-        kept = [r.grad for r in self._capture.records if r.grad is not None] if self._capture else []
+        records = self._capture.records if self._capture else []
+        kept = [r.grad for r in records if r.grad is not None] + [t for r in records for t in r.state.values()]
         return kept + ([self._norm_sq] if self._norm_sq is not None else [])
 
     def state_dict(self) -> dict:

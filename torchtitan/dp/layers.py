@@ -3,6 +3,8 @@
 A rule turns one module call's input `x` (detached) and output gradient `g` into
 - `norm_sq`: the (B,) squared norms of the per-sample gradients of the module's trainable params;
 - `grads`: sum_i c_i g_i for each trainable param, in the param's full (unsharded) shape.
+Book-keeping calls both on the same step; `norm_sq` may leave small per-sample pieces (a bias's
+per-sample sums) in the record's `state` dict, which `grads` then reads instead of re-reading `g`.
 With augmult (`group` K > 1) the call ran on B * K rows, K consecutive rows per sample, and a sample's
 gradient is the sum over its K rows (the 1/K of the average is already in `g`): the rules fold the K
 rows into the token dimension, since a per-sample gradient is a sum over tokens anyway.
@@ -23,8 +25,10 @@ from torch import nn
 
 from torchtitan.dp.flash_kernels import matmul_grad_norm_sq, scale_samples
 
-NormFn = Callable[[nn.Module, torch.Tensor, torch.Tensor, tuple[str, ...], bool, int], torch.Tensor]
-GradFn = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, tuple[str, ...], int], dict[str, torch.Tensor]]
+NormFn = Callable[[nn.Module, torch.Tensor, torch.Tensor, tuple[str, ...], bool, int, dict], torch.Tensor]
+GradFn = Callable[
+    [nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, tuple[str, ...], int, dict], dict[str, torch.Tensor]
+]
 
 
 @dataclass(frozen=True)
@@ -33,9 +37,11 @@ class LayerRule:
 
     Attributes:
         param_names: the direct parameters the rule knows; any other trainable one is refused.
-        norm_sq: (module, x, g, trainable names, flash, group) -> (B,) float32 squared per-sample norms.
-        grads: (module, x, g, coef (B,), trainable names, group) -> {name: sum_i coef_i grad_i}.
-            `group` is the augmult K: rows per sample (1 without augmult).
+        norm_sq: (module, x, g, trainable names, flash, group, state) -> (B,) float32 squared per-sample norms.
+        grads: (module, x, g, coef (B,), trainable names, group, state) -> {name: sum_i coef_i grad_i}.
+            `group` is the augmult K: rows per sample (1 without augmult). `state` is a dict the rule owns
+            for one step of one module: empty when norm_sq is called, and what norm_sq left in it when
+            grads is (book-keeping calls grads after norm_sq on the same step; two-pass modes never do).
         check: raises if this module's configuration is outside what the rule covers.
         cast_input: under autocast, cast the input to the autocast dtype before the call (a
             forward pre-hook), so the kept input is the very tensor autograd saves: no extra copy.
@@ -109,17 +115,19 @@ def linear_operands(
     return group_rows(a.to(g.dtype), group), group_rows(g, group)
 
 
-def _linear_norm_sq(module, x, g, names, flash, group):
+def _linear_norm_sq(module, x, g, names, flash, group, state):
     a, g = linear_operands(module, x, g, group)
     out = torch.zeros(a.shape[0], device=a.device, dtype=torch.float32)
     if "weight" in names:
         out += matmul_grad_norm_sq(a, g, flash)
     if "bias" in names:
-        out += g.sum(1, dtype=torch.float32).square().sum(1)  # per-sample bias grad: sum over tokens
+        # Per-sample bias grads, the sums over tokens: (B, p), kept so grads need not read g again.
+        state["bias"] = g.sum(1, dtype=torch.float32)
+        out += state["bias"].square().sum(1)
     return out
 
 
-def _linear_grads(module, x, g, coef, names, group):
+def _linear_grads(module, x, g, coef, names, group, state):
     a, g = linear_operands(module, x, g, group)
     grads = {}
     if "weight" in names:
@@ -130,7 +138,7 @@ def _linear_grads(module, x, g, coef, names, group):
             lhs, rhs = scale_per_sample(g, coef), a
         grads["weight"] = (lhs.flatten(0, 1).T @ rhs.flatten(0, 1)).view(module.weight.shape)  # (p, d)
     if "bias" in names:
-        grads["bias"] = coef.float() @ g.sum(1, dtype=torch.float32)  # (B,) @ (B, p) per-sample sums
+        grads["bias"] = coef.float() @ state.pop("bias")  # (B,) @ (B, p) per-sample sums
     return grads
 
 
@@ -151,7 +159,7 @@ def _embedding_operands(module, idx, g, group):
     return idx, g
 
 
-def _embedding_norm_sq(module, idx, g, names, flash, group):
+def _embedding_norm_sq(module, idx, g, names, flash, group, state):
     idx, g = _embedding_operands(module, idx, g, group)
     g = g.float()
     if idx.shape[1] == 1:
@@ -161,7 +169,7 @@ def _embedding_norm_sq(module, idx, g, names, flash, group):
     return (torch.bmm(g, g.mT) * same).sum((1, 2))
 
 
-def _embedding_grads(module, idx, g, coef, names, group):
+def _embedding_grads(module, idx, g, coef, names, group, state):
     idx, g = _embedding_operands(module, idx, g, group)
     g = scale_per_sample(g, coef)
     grad = torch.zeros(module.num_embeddings, g.shape[-1], device=g.device, dtype=g.dtype)
@@ -194,26 +202,19 @@ def _affine_norm_per_sample(module, x, g, group):
     return group_rows(x_hat, group), group_rows(g, group)  # (B, K T, N)
 
 
-def _affine_norm_norm_sq(module, x, g, names, flash, group):
+def _affine_norm_norm_sq(module, x, g, names, flash, group, state):
     x_hat, g = _affine_norm_per_sample(module, x, g, group)
-    out = torch.zeros(x_hat.shape[0], device=x_hat.device, dtype=torch.float32)
+    # The per-sample grads are (B, N): kept, so grads need not recompute x_hat.
     if "weight" in names:
-        out += (g * x_hat).sum(1).square().sum(1)
+        state["weight"] = (g * x_hat).sum(1)
     if "bias" in names:
-        out += g.sum(1).square().sum(1)
-    return out
+        state["bias"] = g.sum(1)
+    return sum(state[name].square().sum(1) for name in names)
 
 
-def _affine_norm_grads(module, x, g, coef, names, group):
-    x_hat, g = _affine_norm_per_sample(module, x, g, group)
-    g = scale_per_sample(g, coef)
+def _affine_norm_grads(module, x, g, coef, names, group, state):
     shape = tuple(module.normalized_shape)
-    grads = {}
-    if "weight" in names:
-        grads["weight"] = (g * x_hat).sum((0, 1)).view(shape)
-    if "bias" in names:
-        grads["bias"] = g.sum((0, 1)).view(shape)
-    return grads
+    return {name: (coef.float() @ state.pop(name)).view(shape) for name in names}
 
 
 # A parameter added to the input (learned position table): per-sample grad = output grad summed to its shape.
@@ -229,11 +230,11 @@ def _additive_per_sample(module, g, group):
     return per_row.unflatten(0, (-1, group)).sum(1)  # (B, *weight_shape[1:])
 
 
-def _additive_norm_sq(module, x, g, names, flash, group):
+def _additive_norm_sq(module, x, g, names, flash, group, state):
     return _additive_per_sample(module, g, group).float().square().flatten(1).sum(1)
 
 
-def _additive_grads(module, x, g, coef, names, group):
+def _additive_grads(module, x, g, coef, names, group, state):
     per_sample = scale_per_sample(_additive_per_sample(module, g, group), coef)
     return {"weight": per_sample.sum(0, keepdim=True).view(module.weight.shape)}
 
