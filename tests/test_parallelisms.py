@@ -58,11 +58,16 @@ def test_parallelisms_match_one_process(seed_checkpoint, reference, tmp_path, na
 
 
 @pytest.mark.slow
-def test_compile_matches_eager(seed_checkpoint, reference, tmp_path):
+@pytest.mark.parametrize("scope", ["block", "model"])
+def test_compile_matches_eager(seed_checkpoint, reference, tmp_path, scope):
     folder = tmp_path / "compiled"
-    run_train([*COMMON, "--training.local_batch_size", "16", "--compile.enable", "true", "--job.dump_folder",
-               str(folder), "--checkpoint.initial_load_path", str(seed_checkpoint)], timeout=900)  # fmt: skip
+    run = run_train([*COMMON, "--training.local_batch_size", "16", "--compile.enable", "true", "--compile.scope",
+                     scope, "--job.dump_folder", str(folder), "--checkpoint.initial_load_path", str(seed_checkpoint)],
+                    timeout=900)  # fmt: skip
+    compiled = "the whole model" if scope == "model" else "4 blocks"
+    assert f"compiled {compiled} with torch.compile(fullgraph=True" in run.stdout + run.stderr
     got = read_metrics(folder)
+    assert len(got) == len(reference)
     for a, b in zip(got, reference):  # inductor fuses and reorders fp32 maths: looser than eager layouts
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
 
@@ -98,6 +103,20 @@ def test_fsdp_checkpoint_resumes_and_exports(seed_checkpoint, tmp_path):
     reference.load_state_dict(state["ema"])
     x, t, y = torch.randn(2, 1, 16, 16), torch.tensor([10.0, 700.0]), torch.tensor([3, 7])
     torch.testing.assert_close(model(x, t, y), reference(x, t, y), rtol=0, atol=0)
+
+
+def test_whole_model_compile_is_refused_with_data_parallelism():
+    from torchtitan.config_manager import parse_args
+    from torchtitan.config_validation import ConfigError
+    from torchtitan.models.dit import DiT, dit_configs
+    from torchtitan.models.dit.parallelize import parallelize_dit
+
+    cfg = parse_args([*TINY, "--compile.enable", "true", "--compile.scope", "model"])
+    with torch.device("meta"):
+        model = DiT(dit_configs["debug"])
+    for dims, mode in ((ParallelDims(2, 1, 2), "DDP"), (ParallelDims(1, -1, 2), "FSDP")):
+        with pytest.raises(ConfigError, match=f"compile.scope = 'model' in .*debug_model.toml: .*this run is {mode}"):
+            parallelize_dit(model, dims, cfg)
 
 
 def test_parallel_dims_resolve_and_reject():

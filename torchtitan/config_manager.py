@@ -255,6 +255,11 @@ class Compile:
     mode: str = "default"
     """torch.compile mode: 'default' or 'max-autotune-no-cudagraphs' (Triton GEMMs with fused epilogues;
     minutes of autotuning at start)."""
+    scope: str = "block"
+    """What one graph holds: 'block' (each block apart; the blocks share one compiled graph, so compiling
+    costs one block) or 'model' (the whole DiT: Inductor also fuses across block boundaries, e.g. a block's
+    last residual add into the next block's norm, at several times the compile time; one device only,
+    since DDP's and FSDP's hooks must stay outside compiled code)."""
 
 
 @dataclass

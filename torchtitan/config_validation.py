@@ -38,6 +38,7 @@ def validate(cfg, source: str) -> None:
         "checkpoint.export_dtype": ("float32", "bfloat16"),
         "activation_checkpoint.mode": ("none", "full", "selective"),
         "compile.mode": ("default", "max-autotune-no-cudagraphs", "max-autotune"),
+        "compile.scope": ("block", "model"),
         "sampling.sampler": ("default", "ddim", "euler", "heun"),
         "latent.tokenizer": ("", "cosmos_jit", "diffusers"),
         "dp.mode": ("vanilla", "ghost", "flash", "bookkeeping", "flash_bookkeeping"),

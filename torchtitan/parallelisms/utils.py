@@ -55,11 +55,16 @@ def apply_ac(blocks: nn.ModuleDict, mode: str, selective_option: str) -> None:
                 f"{wrapped}/{len(blocks)} blocks")  # fmt: skip
 
 
-def apply_compile(blocks: nn.ModuleDict, mode: str = "default") -> None:
-    """torch.compile each block in place (fullgraph: a graph break is a bug, not a slowdown)."""
-    for block in blocks.values():
-        block.compile(fullgraph=True, mode=None if mode == "default" else mode)
-    logger.info(f"compiled {len(blocks)} blocks with torch.compile(fullgraph=True, mode={mode!r})")
+def apply_compile(model: nn.Module, mode: str = "default", scope: str = "block") -> None:
+    """torch.compile in place each of `model.blocks`, or the whole model with scope 'model'.
+
+    fullgraph: a graph break is a bug, not a slowdown. `Module.compile` keeps the parameter names.
+    """
+    modules = list(model.blocks.values()) if scope == "block" else [model]
+    for module in modules:
+        module.compile(fullgraph=True, mode=None if mode == "default" else mode)
+    what = f"{len(modules)} blocks" if scope == "block" else "the whole model"
+    logger.info(f"compiled {what} with torch.compile(fullgraph=True, mode={mode!r})")
 
 
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, param_dtype: torch.dtype,

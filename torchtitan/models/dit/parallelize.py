@@ -6,6 +6,7 @@ recomputation is compiled too), and FSDP shards last so its hooks sit outside th
 
 from torch import nn
 
+from torchtitan.config_validation import ConfigError
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.utils import (
     apply_ac,
@@ -27,8 +28,15 @@ def parallelize_dit(model: nn.Module, parallel_dims: ParallelDims, job_config) -
     ac = job_config.activation_checkpoint
     if ac.mode != "none":
         apply_ac(model.blocks, ac.mode, ac.selective_ac_option)
-    if job_config.compile.enable and "model" in job_config.compile.components:
-        apply_compile(model.blocks, job_config.compile.mode)
+    compile_config = job_config.compile
+    if compile_config.enable and "model" in compile_config.components:
+        if compile_config.scope == "model" and parallel_dims.mode != "single":
+            raise ConfigError(
+                f"compile.scope = 'model' in {job_config.job.config_file or 'the defaults'}: one device only "
+                f"(this run is {parallel_dims.mode.upper()}, whose hooks must stay outside compiled code); "
+                "use compile.scope = 'block'"
+            )
+        apply_compile(model, compile_config.mode, compile_config.scope)
     if parallel_dims.fsdp_enabled:
         apply_fsdp(
             model,
