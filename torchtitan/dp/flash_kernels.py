@@ -162,10 +162,11 @@ def _explicit_kernel(
     a_ptr, g_ptr, out_ptr, out_stride, T, D, P, sa_b, sa_t, sa_d, sg_b, sg_t, sg_p,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    # One program: sample b, a (BLOCK_D, BLOCK_P) tile of A_b^T G_b accumulated over T in registers.
-    b = tl.program_id(0)
-    pid_d = tl.program_id(1)
-    pid_p = tl.program_id(2)
+    # One program: sample b, a (BLOCK_D, BLOCK_P) tile of A_b^T G_b accumulated over T in registers. The sample
+    # is the slowest grid axis, so the programs running together share one sample's A and G through L2.
+    pid_d = tl.program_id(0)
+    pid_p = tl.program_id(1)
+    b = tl.program_id(2)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     a_base = a_ptr + b.to(tl.int64) * sa_b
@@ -179,7 +180,7 @@ def _explicit_kernel(
         g = tl.load(g_base + offs_t[:, None] * sg_t + offs_p[None, :] * sg_p, mask=g_mask, other=0.0)  # (BT, BP)
         acc = tl.dot(a_t, g, acc, input_precision=PRECISION)
     partial = tl.sum(tl.sum(acc * acc, axis=1), axis=0)
-    tl.store(out_ptr + b * out_stride + pid_d * tl.num_programs(2) + pid_p, partial)
+    tl.store(out_ptr + b * out_stride + pid_d * tl.num_programs(1) + pid_p, partial)
 
 
 @_jit
@@ -188,10 +189,11 @@ def _gram_kernel(
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     # One program: sample b, token tiles (i, j) of (A A^T) * (G G^T); the Gram matrices are
-    # symmetric, so only j >= i runs and off-diagonal tiles count twice.
-    b = tl.program_id(0)
-    pid_i = tl.program_id(1)
-    pid_j = tl.program_id(2)
+    # symmetric, so only j >= i runs and off-diagonal tiles count twice. The sample is the slowest grid
+    # axis, as in the explicit kernel.
+    pid_i = tl.program_id(0)
+    pid_j = tl.program_id(1)
+    b = tl.program_id(2)
     if pid_j >= pid_i:
         offs_i = pid_i * BLOCK_T + tl.arange(0, BLOCK_T)
         offs_j = pid_j * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -227,7 +229,7 @@ def _gram_kernel(
             gg = tl.dot(gi, gj_t, gg, input_precision=PRECISION)
         weight = tl.where(pid_j > pid_i, 2.0, 1.0)
         partial = tl.sum(tl.sum(aa * gg, axis=1), axis=0) * weight
-        tl.store(out_ptr + b * out_stride + pid_i * tl.num_programs(2) + pid_j, partial)
+        tl.store(out_ptr + b * out_stride + pid_i * tl.num_programs(1) + pid_j, partial)
 
 
 # Tile sizes: (BLOCK_D, BLOCK_P, BLOCK_T, warps, stages) and (BLOCK_T, BLOCK_K, warps, stages). The
@@ -236,6 +238,7 @@ _EXPLICIT_TILES = [
     (64, 64, 32, 4, 3), (128, 64, 32, 4, 3), (128, 128, 32, 8, 3), (128, 128, 64, 8, 3), (128, 256, 32, 8, 3),
     (256, 128, 32, 8, 3), (128, 128, 64, 4, 4),
 ]  # fmt: skip
+_MAX_GRID_Z = 65535
 _GRAM_TILES = [(64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 8, 3), (128, 64, 8, 3), (128, 32, 4, 4), (64, 128, 4, 3)]
 
 
@@ -271,20 +274,15 @@ def _triton_norm_sq(a: torch.Tensor, g: torch.Tensor, gram: bool) -> torch.Tenso
         # Partials: one per (i, j) token tile; the smallest tile sizes the buffer, others use part of it.
         n_t = triton.cdiv(T, min(t for t, *_ in _GRAM_TILES))
         partials = torch.zeros(B, n_t * n_t, device=a.device, dtype=torch.float32)
-
-        def grid(meta):
-            return (B, triton.cdiv(T, meta["BLOCK_T"]), triton.cdiv(T, meta["BLOCK_T"]))
-
-        launch = gram_kernel
+        tiles, launch = (lambda meta: (triton.cdiv(T, meta["BLOCK_T"]), triton.cdiv(T, meta["BLOCK_T"]))), gram_kernel
     else:
         n_d = triton.cdiv(D, min(d for d, *_ in _EXPLICIT_TILES))
         n_p = triton.cdiv(P, min(p for _, p, *_ in _EXPLICIT_TILES))
         partials = torch.zeros(B, n_d * n_p, device=a.device, dtype=torch.float32)
-
-        def grid(meta):
-            return (B, triton.cdiv(D, meta["BLOCK_D"]), triton.cdiv(P, meta["BLOCK_P"]))
-
-        launch = explicit
-    args = (a, g, partials, partials.stride(0), T, D, P, *a.stride(), *g.stride())
-    launch(*args, grid=grid, warmup=False, PRECISION=precision)
+        tiles, launch = (lambda meta: (triton.cdiv(D, meta["BLOCK_D"]), triton.cdiv(P, meta["BLOCK_P"]))), explicit
+    for start in range(0, B, _MAX_GRID_Z):  # samples are the grid's z axis, which CUDA caps
+        rows = slice(start, start + _MAX_GRID_Z)
+        a_c, g_c, out = a[rows], g[rows], partials[rows]
+        args = (a_c, g_c, out, out.stride(0), T, D, P, *a_c.stride(), *g_c.stride())
+        launch(*args, grid=lambda meta, n=a_c.shape[0]: (*tiles(meta), n), warmup=False, PRECISION=precision)
     return partials.sum(1)
