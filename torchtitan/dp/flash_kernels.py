@@ -232,14 +232,17 @@ def _gram_kernel(
         tl.store(out_ptr + b * out_stride + pid_i * tl.num_programs(1) + pid_j, partial)
 
 
+_MAX_GRID_Z = 65535  # CUDA's limit on a grid's y and z axes
+
 # Tile sizes: (BLOCK_D, BLOCK_P, BLOCK_T, warps, stages) and (BLOCK_T, BLOCK_K, warps, stages). The
-# interpreter runs the first of each; on CUDA Triton's autotuner picks per (T, D, P).
+# interpreter runs the first of each; on CUDA Triton's autotuner picks per (T, D, P). Every entry was timed alone
+# at the DiT-L/8 and DiT-XL/2 layer shapes on an H100 (docs/benchmarks.md).
 _EXPLICIT_TILES = [
     (64, 64, 32, 4, 3), (128, 64, 32, 4, 3), (128, 128, 32, 8, 3), (128, 128, 64, 8, 3), (128, 256, 32, 8, 3),
-    (256, 128, 32, 8, 3), (128, 128, 64, 4, 4),
+    (256, 128, 32, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3),
 ]  # fmt: skip
-_MAX_GRID_Z = 65535
-_GRAM_TILES = [(64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 8, 3), (128, 64, 8, 3), (128, 32, 4, 4), (64, 128, 4, 3)]
+_GRAM_TILES = [(64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3),
+               (64, 128, 4, 3)]  # fmt: skip
 
 
 @functools.cache
