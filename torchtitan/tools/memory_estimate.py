@@ -370,10 +370,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-ema", action="store_true")
     for name in ("input_size", "in_channels", "patch_size", "num_classes"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help="flavor override")
+    parser.add_argument("--pos-embed", default=None, choices=("rope2d", "sincos", "learned"), help="flavor override")
     parser.add_argument("--device-memory-gib", type=float, default=0.0, help="also print the largest batch that fits")
     a = parser.parse_args(argv)
     args = replace(dit_configs[a.flavor])
-    for name in ("input_size", "in_channels", "patch_size", "num_classes"):
+    for name in ("input_size", "in_channels", "patch_size", "num_classes", "pos_embed"):
         if getattr(a, name) is not None:
             setattr(args, name, getattr(a, name))
     args.validate()
