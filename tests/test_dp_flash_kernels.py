@@ -25,7 +25,7 @@ needs_interpreter = pytest.mark.skipif(
 
 @pytest.mark.skipif(fk.triton_interpreting(), reason="this is the child")
 def test_kernels_in_interpreter():
-    rerun_under_triton_interpreter(__file__, min_passed=14)
+    rerun_under_triton_interpreter(__file__, min_passed=15)
 
 
 # (B, T, d, p): ragged edges everywhere, more than one tile along T (Gram: off-diagonal tiles
@@ -53,11 +53,18 @@ def test_kernels_match_torch(shape, gram):
 @pytest.mark.parametrize("gram", [False, True])
 def test_kernels_launch_samples_in_chunks_of_the_grid_limit(monkeypatch, gram):
     # Samples are the grid's z axis (at most 65535 on CUDA): here a limit of 2 splits 5 samples 2 + 2 + 1.
-    monkeypatch.setattr(fk, "_MAX_GRID_Z", 2)
+    monkeypatch.setattr(fk, "_MAX_GRID_YZ", 2)
     g = torch.Generator().manual_seed(0)
     a, grad = torch.randn(5, 70, 33, generator=g), torch.randn(5, 70, 17, generator=g)
     expected = fk.explicit_norm_sq_torch(a.double(), grad.double()).float()
     torch.testing.assert_close(fk._triton_norm_sq(a, grad, gram), expected, rtol=1e-5, atol=0)
+
+
+@needs_interpreter
+def test_scale_kernel_launches_samples_in_chunks_of_the_grid_limit(monkeypatch):
+    monkeypatch.setattr(fk, "_MAX_GRID_YZ", 2)  # samples are the scale kernel's grid y axis: 5 go 2 + 2 + 1
+    t, coef = torch.randn(5, 70, 65, generator=torch.Generator().manual_seed(0)), torch.rand(5)
+    torch.testing.assert_close(fk.scale_samples(t, coef), t * coef.view(-1, 1, 1), rtol=0, atol=0)
 
 
 @needs_interpreter

@@ -127,14 +127,22 @@ def scale_samples(t: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
     if triton is None or not (t.is_cuda or _INTERPRETING) or not t.is_contiguous() or t.dim() == 0:
         return (t.float() * coef.float().view(-1, *([1] * (t.dim() - 1)))).to(t.dtype)
     out = torch.empty_like(t)
-    sample_numel = t[0].numel()
+    sample_numel, coef = t[0].numel(), coef.float().contiguous()
     if out.numel():
-        grid = (triton.cdiv(sample_numel, _SCALE_BLOCK), t.shape[0])
-        _scale_kernel[grid](t, coef.float().contiguous(), out, sample_numel, _SCALE_BLOCK)
+        for rows in _sample_chunks(t.shape[0]):  # the samples are the grid's y axis
+            t_c = t[rows]
+            grid = (triton.cdiv(sample_numel, _SCALE_BLOCK), t_c.shape[0])
+            _scale_kernel[grid](t_c, coef[rows], out[rows], sample_numel, _SCALE_BLOCK)
     return out
 
 
 _SCALE_BLOCK = 4096
+_MAX_GRID_YZ = 65535  # CUDA's limit on a grid's y and z axes
+
+
+def _sample_chunks(num_samples: int) -> list[slice]:
+    """Launches of at most 65535 samples each: the kernels here put the samples on the grid's y or z axis."""
+    return [slice(start, start + _MAX_GRID_YZ) for start in range(0, num_samples, _MAX_GRID_YZ)]
 
 
 @_jit
@@ -232,8 +240,6 @@ def _gram_kernel(
         tl.store(out_ptr + b * out_stride + pid_i * tl.num_programs(1) + pid_j, partial)
 
 
-_MAX_GRID_Z = 65535  # CUDA's limit on a grid's y and z axes
-
 # Tile sizes: (BLOCK_D, BLOCK_P, BLOCK_T, warps, stages) and (BLOCK_T, BLOCK_K, warps, stages). The
 # interpreter runs the first of each; on CUDA Triton's autotuner picks per (T, D, P). Every entry was timed alone
 # at the DiT-L/8 and DiT-XL/2 layer shapes on an H100 (docs/benchmarks.md).
@@ -277,14 +283,20 @@ def _triton_norm_sq(a: torch.Tensor, g: torch.Tensor, gram: bool) -> torch.Tenso
         # Partials: one per (i, j) token tile; the smallest tile sizes the buffer, others use part of it.
         n_t = triton.cdiv(T, min(t for t, *_ in _GRAM_TILES))
         partials = torch.zeros(B, n_t * n_t, device=a.device, dtype=torch.float32)
-        tiles, launch = (lambda meta: (triton.cdiv(T, meta["BLOCK_T"]), triton.cdiv(T, meta["BLOCK_T"]))), gram_kernel
+        launch = gram_kernel
+
+        def tiles(meta):
+            return triton.cdiv(T, meta["BLOCK_T"]), triton.cdiv(T, meta["BLOCK_T"])
     else:
         n_d = triton.cdiv(D, min(d for d, *_ in _EXPLICIT_TILES))
         n_p = triton.cdiv(P, min(p for _, p, *_ in _EXPLICIT_TILES))
         partials = torch.zeros(B, n_d * n_p, device=a.device, dtype=torch.float32)
-        tiles, launch = (lambda meta: (triton.cdiv(D, meta["BLOCK_D"]), triton.cdiv(P, meta["BLOCK_P"]))), explicit
-    for start in range(0, B, _MAX_GRID_Z):  # samples are the grid's z axis, which CUDA caps
-        rows = slice(start, start + _MAX_GRID_Z)
+        launch = explicit
+
+        def tiles(meta):
+            return triton.cdiv(D, meta["BLOCK_D"]), triton.cdiv(P, meta["BLOCK_P"])
+
+    for rows in _sample_chunks(B):  # the samples are the grid's z axis
         a_c, g_c, out = a[rows], g[rows], partials[rows]
         args = (a_c, g_c, out, out.stride(0), T, D, P, *a_c.stride(), *g_c.stride())
         launch(*args, grid=lambda meta, n=a_c.shape[0]: (*tiles(meta), n), warmup=False, PRECISION=precision)
