@@ -136,3 +136,16 @@ def test_scale_kernel_on_cuda():
     t = torch.randn(5, 300, 77, device="cuda").bfloat16()
     coef = torch.rand(5, device="cuda").bfloat16()
     assert torch.equal(fk.scale_samples(t, coef), t * coef.view(-1, 1, 1))  # bf16 multiply: fp32, one rounding
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or fk.triton_interpreting(), reason="needs CUDA, compiled")
+@pytest.mark.parametrize("gram", [False, True])
+def test_compiled_kernels_launch_samples_in_chunks_on_cuda(monkeypatch, gram):
+    # The compiled launches with the grid limit cut to 2: 5 samples go 2 + 2 + 1, each chunk its own grid.
+    monkeypatch.setattr(fk, "_MAX_GRID_YZ", 2)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a, grad = torch.randn(5, 257, 96, device="cuda", generator=g), torch.randn(5, 257, 200, device="cuda", generator=g)
+    expected = fk.explicit_norm_sq_torch(a.double(), grad.double()).float()
+    torch.testing.assert_close(fk._triton_norm_sq(a, grad, gram), expected, rtol=1e-4, atol=0)
+    t, coef = grad.bfloat16(), torch.rand(5, device="cuda", generator=g).bfloat16()
+    assert torch.equal(fk.scale_samples(t, coef), t * coef.view(-1, 1, 1))
