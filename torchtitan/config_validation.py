@@ -18,6 +18,7 @@ def _choice(cfg, key: str, allowed: tuple, source: str) -> None:
 
 def validate(cfg, source: str) -> None:
     """Checks values that need no world size; data-parallel checks run in check_batch_sizes()."""
+    from torchtitan.models.dit.model import POS_EMBEDS
     from torchtitan.train_spec import get_train_spec
 
     spec = get_train_spec(cfg.model.name) if cfg.model.name == "dit" else None
@@ -44,7 +45,7 @@ def validate(cfg, source: str) -> None:
         "dp.mode": ("vanilla", "ghost", "flash", "bookkeeping", "flash_bookkeeping"),
         "dp.accountant": ("rdp", "prv"),
         "dp.sampling": ("poisson", "shuffle"),
-        "model.pos_embed": ("", "rope2d", "sincos", "learned"),
+        "model.pos_embed": ("", *POS_EMBEDS),
         "model.norm": ("", "layernorm", "rmsnorm"),
         "model.mlp": ("", "gelu", "swiglu"),
         "model.qk_norm": ("", "true", "false"),

@@ -1,6 +1,6 @@
 """Suite (b): DP modes against non-private training under FSDP on several GPUs, across sequence lengths.
 
-    python scripts/dp/run_fsdp_suite.py --nproc 2 [--tokens "1024 2304 4096"] [--batch-sizes 8]
+    python scripts/dp/run_fsdp_suite.py --nproc 2 [--tokens "1024 2304 4096"] [--batch-sizes 16]
         [--modes "no_dp ghost flash flash_bookkeeping"] [--output-dir outputs/dp_fsdp_suite] [train.py flags ...]
 
 Every (tokens, batch, mode) is one torchrun of train.py over --nproc processes with FSDP (shard degree
@@ -40,11 +40,11 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
     )  # no abbreviations: a train.py flag is never taken for one of these options
-    add_common_args(parser)
+    add_common_args(parser, steps=20)  # 16 images and 20 steps: the measured setting (docs/benchmarks.md)
     parser.add_argument("--nproc", type=int, default=2, help="processes (GPUs) per run, FSDP over all of them")
     parser.add_argument("--tokens", default="1024 2304 4096", help="tokens per image (squares), space separated")
     parser.add_argument("--modes", default=" ".join(MODES), help="no_dp (non-private) and dp.mode values")
-    parser.add_argument("--batch-sizes", default="8", help="local batch sizes, space or comma separated")
+    parser.add_argument("--batch-sizes", default="16", help="local batch sizes, space or comma separated")
     parser.add_argument("--output-dir", default="outputs/dp_fsdp_suite")
     opts, extra = parser.parse_known_args(argv)
     check_common_args(opts)

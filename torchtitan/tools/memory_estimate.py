@@ -22,7 +22,7 @@ import argparse
 import math
 from dataclasses import dataclass, field, replace
 
-from torchtitan.models.dit.model import DiTArgs
+from torchtitan.models.dit.model import POS_EMBEDS, DiTArgs
 
 PRECISIONS = ("fp32", "bf16_autocast", "bf16_fsdp")
 MIB, GIB = 1024**2, 1024**3
@@ -370,7 +370,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-ema", action="store_true")
     for name in ("input_size", "in_channels", "patch_size", "num_classes"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help="flavor override")
-    parser.add_argument("--pos-embed", default=None, choices=("rope2d", "sincos", "learned"), help="flavor override")
+    parser.add_argument("--pos-embed", default=None, choices=POS_EMBEDS, help="flavor override")
     parser.add_argument("--device-memory-gib", type=float, default=0.0, help="also print the largest batch that fits")
     a = parser.parse_args(argv)
     args = replace(dit_configs[a.flavor])

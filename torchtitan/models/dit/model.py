@@ -27,6 +27,10 @@ def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_
     return _compiled_flex_attention(q, k, v, block_mask=block_mask)
 
 
+# Position encodings a DiT can use (DiTArgs.pos_embed).
+POS_EMBEDS = ("rope2d", "sincos", "learned")
+
+
 @dataclass
 class DiTArgs:
     """Architecture of one DiT; flavors in `dit_configs` fill these in."""
@@ -80,7 +84,7 @@ class DiTArgs:
         if self.pos_embed == "rope2d" and self.head_dim % 4 != 0:
             raise ValueError(f"rope2d needs head_dim divisible by 4, got {self.head_dim}")
         for name, value, allowed in (
-            ("pos_embed", self.pos_embed, ("rope2d", "sincos", "learned")),
+            ("pos_embed", self.pos_embed, POS_EMBEDS),
             ("norm", self.norm, ("layernorm", "rmsnorm")),
             ("mlp", self.mlp, ("gelu", "swiglu")),
         ):
