@@ -4,6 +4,7 @@ torchrun --nproc_per_node=N train.py --job.config_file train_configs/X.toml [--s
 """
 
 import contextlib
+import gc
 import os
 import sys
 import time
@@ -332,6 +333,11 @@ def main(argv: list[str] | None = None) -> int:
         raise
     finally:
         trainer.close()
+        # The trainer's modules and FSDP/DDP state form reference cycles (and GarbageCollection turned automatic
+        # collection off) that hold the process groups' C++ objects: free them now, while the interpreter is whole,
+        # not during its finalization, where gloo's teardown can abort the process ("terminate called").
+        del trainer
+        gc.collect()
     return 0
 
 

@@ -6,6 +6,7 @@ it layout independent), so one draw per element of the global gradient is checke
 """
 
 import copy
+import gc
 import os
 import socket
 
@@ -108,6 +109,7 @@ def _worker(rank, port, topologies):
         for topology in topologies:
             _check_topology(rank, topology, model, batch, (ref, vanilla), ref_norms, max_norm)
     finally:
+        gc.collect()  # the checks' DDP/FSDP state holds process-group handles: free it before teardown (train.py)
         dist.destroy_process_group()
 
 
