@@ -98,6 +98,9 @@ class Model:
     """Override: 'true' | 'false'; '' keeps the flavor's."""
     learn_sigma: str = ""
     """Override: 'true' | 'false' (DiT's 2C-channel output + VLB term); '' keeps the flavor's."""
+    fused_norm: str = ""
+    """Override: 'true' | 'false': on CUDA, each adaLN norm with the gated residual add before it runs as one
+    Triton kernel forward and one backward (torch elsewhere); '' keeps the flavor's (true)."""
     attn_window: int = -1
     """Override: windowed attention over the (2w+1) x (2w+1) token neighbourhood (FlexAttention);
     0 is global attention; -1 keeps the flavor's."""

@@ -50,6 +50,7 @@ def validate(cfg, source: str) -> None:
         "model.mlp": ("", "gelu", "swiglu"),
         "model.qk_norm": ("", "true", "false"),
         "model.learn_sigma": ("", "true", "false"),
+        "model.fused_norm": ("", "true", "false"),
     }
     for key, allowed in choices.items():
         _choice(cfg, key, allowed, source)

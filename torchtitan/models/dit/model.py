@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+from torchtitan.models.dit.adaln_norm import modulated_norm
 from torchtitan.models.dit.rope import apply_rope, build_rope_2d
 
 _compiled_flex_attention = None  # built on first use: torch.compile at import would cost every process seconds
@@ -52,6 +53,7 @@ class DiTArgs:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     multiple_of: int = 256  # SwiGLU hidden size rounding, as in Llama
+    fused_norm: bool = True  # on CUDA, each adaLN norm (and the gated residual add before it) is one Triton kernel
 
     @property
     def out_channels(self) -> int:
@@ -106,14 +108,19 @@ def window_block_mask(grid: int, window: int, device: torch.device):
     return create_block_mask(neighbourhood, None, None, tokens, tokens, device=device, BLOCK_SIZE=min(128, tokens))
 
 
-def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+class ModulatedNorm(nn.Module):
+    """adaLN: a norm without affine weights, modulated per sample (DiT paper), after an optional gated residual add.
 
+    forward(x, shift, scale, branch, gate) returns (x', h) with x' = x + gate * branch (x without a branch) and
+    h = norm(x') * (1 + scale) + shift; one Triton kernel each way on CUDA (adaln_norm.py).
+    """
 
-def build_norm(kind: str, dim: int, eps: float, affine: bool) -> nn.Module:
-    if kind == "rmsnorm":
-        return nn.RMSNorm(dim, eps=eps, elementwise_affine=affine)
-    return nn.LayerNorm(dim, eps=eps, elementwise_affine=affine)
+    def __init__(self, kind: str, eps: float, fused: bool):
+        super().__init__()
+        self.kind, self.eps, self.fused = kind, eps, fused
+
+    def forward(self, x, shift, scale, branch=None, gate=None) -> tuple[torch.Tensor, torch.Tensor]:
+        return modulated_norm(x, shift, scale, branch, gate, kind=self.kind, eps=self.eps, fused=self.fused)
 
 
 def timestep_frequencies(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
@@ -237,29 +244,30 @@ class DiTBlock(nn.Module):
 
     def __init__(self, args: DiTArgs):
         super().__init__()
-        self.norm1 = build_norm(args.norm, args.dim, args.norm_eps, affine=False)
+        self.norm1 = ModulatedNorm(args.norm, args.norm_eps, args.fused_norm)
         self.attn = Attention(args)
-        self.norm2 = build_norm(args.norm, args.dim, args.norm_eps, affine=False)
+        self.norm2 = ModulatedNorm(args.norm, args.norm_eps, args.fused_norm)
         self.mlp = FeedForward(args)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(args.dim, 6 * args.dim))
 
     def forward(self, x: torch.Tensor, c: torch.Tensor, rope: torch.Tensor | None, block_mask=None) -> torch.Tensor:
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c).chunk(6, dim=-1)
-        x = x + gate_msa.unsqueeze(1) * self.attn(modulate(self.norm1(x), shift_msa, scale_msa), rope, block_mask)
-        x = x + gate_mlp.unsqueeze(1) * self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp))
-        return x
+        _, h = self.norm1(x, shift_msa, scale_msa)
+        attn_out = self.attn(h, rope, block_mask)
+        x, h = self.norm2(x, shift_mlp, scale_mlp, attn_out, gate_msa)  # x + gate_msa * attn_out, then norm2
+        return x + gate_mlp.unsqueeze(1) * self.mlp(h)
 
 
 class FinalLayer(nn.Module):
     def __init__(self, args: DiTArgs):
         super().__init__()
-        self.norm_final = build_norm(args.norm, args.dim, args.norm_eps, affine=False)
+        self.norm_final = ModulatedNorm(args.norm, args.norm_eps, args.fused_norm)
         self.linear = nn.Linear(args.dim, args.patch_size**2 * args.out_channels)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(args.dim, 2 * args.dim))
 
     def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         shift, scale = self.adaLN_modulation(c).chunk(2, dim=-1)
-        return self.linear(modulate(self.norm_final(x), shift, scale))
+        return self.linear(self.norm_final(x, shift, scale)[1])
 
 
 class DiT(nn.Module):
