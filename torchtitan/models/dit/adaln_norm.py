@@ -63,7 +63,9 @@ def modulated_norm(x, shift, scale, branch=None, gate=None, *, kind: str = "laye
         fused: run the Triton kernels on CUDA tensors (rows up to MAX_FUSED_DIM wide); torch otherwise.
 
     Returns:
-        (x', h): x' in the promoted dtype of x, gate and branch (x itself without a branch), h in x''s dtype.
+        (x', h): x' in the promoted dtype of x, gate and branch (x itself without a branch); h in x''s dtype from
+        the kernels, and in float32 from the torch path under autocast (LayerNorm's autocast policy), which the
+        next Linear casts to bf16 alike.
     """
     if fused and triton is not None and x.is_cuda and x.shape[-1] <= MAX_FUSED_DIM:
         return modulated_norm_triton(x, shift, scale, branch, gate, kind, eps)
