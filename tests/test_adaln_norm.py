@@ -7,12 +7,12 @@ As in test_dp_flash_kernels.py, the interpreter tests run in a TRITON_INTERPRET=
 import pytest
 import torch
 
-from torchtitan.dp.flash_kernels import triton_interpreting
 from torchtitan.dp.testing import rerun_under_triton_interpreter
 from torchtitan.models.dit import DiT, dit_configs
 from torchtitan.models.dit import adaln_norm as an
 from torchtitan.models.dit import model as dit_model
 from torchtitan.parallelisms.utils import apply_ac
+from torchtitan.tools.triton_support import triton_interpreting
 
 pytestmark = pytest.mark.skipif(an.triton is None, reason="triton is not installed")
 needs_interpreter = pytest.mark.skipif(

@@ -13,34 +13,17 @@ The Triton kernels below compute either form tile by tile in registers, so neith
 nor the T x T matrix is ever written to memory. Each program writes one partial sum, and the
 partials are added in torch, so the result is deterministic (no atomics).
 
-Triton is used on CUDA tensors, and on CPU tensors when Triton runs in its interpreter (tests):
-TRITON_INTERPRET=1 must be set before triton is first imported, because triton.jit picks the
-interpreter or the compiler when it decorates, and triton's own library functions are decorated
-at its import. Elsewhere the torch implementations of the same maths below run instead.
+Triton is used on CUDA tensors, and on CPU tensors when Triton runs in its interpreter (tests; see
+torchtitan/tools/triton_support.py). Elsewhere the torch implementations of the same maths below run instead.
 """
 
 import functools
 import logging
-import os
-import types
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-
-    # Fixed at import, like triton's own jit functions: setting the variable later changes nothing.
-    _knobs = getattr(triton, "knobs", None)  # triton >= 3.4
-    _INTERPRETING = bool(_knobs.runtime.interpret) if _knobs else os.environ.get("TRITON_INTERPRET") == "1"
-    _jit = triton.jit
-except ImportError:  # CPU-only installs: the torch path below covers every case
-    triton, _INTERPRETING = None, False
-    tl = types.SimpleNamespace(constexpr=None)  # only the kernels' annotations read it
-
-    def _jit(fn):
-        return fn
-
+from torchtitan.tools.triton_support import jit as _jit
+from torchtitan.tools.triton_support import tl, triton, triton_interpreting
 
 logger = logging.getLogger(__name__)
 
@@ -51,11 +34,6 @@ _CHUNK_NUMEL = 1 << 25
 def use_gram_form(num_tokens: int, in_features: int, out_features: int) -> bool:
     """FastDP's cost rule: the Gram form is cheaper when 2 T^2 < d p."""
     return 2 * num_tokens * num_tokens < in_features * out_features
-
-
-def triton_interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1 when triton was imported)."""
-    return _INTERPRETING
 
 
 def matmul_grad_norm_sq(a: torch.Tensor, g: torch.Tensor, flash: bool) -> torch.Tensor:
@@ -124,7 +102,7 @@ def scale_samples(t: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
     broadcast multiply takes its unvectorized path for this shape; one Triton pass over a contiguous t runs
     at memory bandwidth on CUDA. Elsewhere (and for strided t) the torch multiply, same values.
     """
-    if triton is None or not (t.is_cuda or _INTERPRETING) or not t.is_contiguous() or t.dim() == 0:
+    if triton is None or not (t.is_cuda or triton_interpreting()) or not t.is_contiguous() or t.dim() == 0:
         return (t.float() * coef.float().view(-1, *([1] * (t.dim() - 1)))).to(t.dtype)
     out = torch.empty_like(t)
     sample_numel, coef = t[0].numel(), coef.float().contiguous()
@@ -253,7 +231,7 @@ _GRAM_TILES = [(64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 8, 3), (128, 64, 8, 3),
 
 @functools.cache
 def _launchers() -> tuple:
-    if _INTERPRETING:
+    if triton_interpreting():
         bd, bp, bt = _EXPLICIT_TILES[0][:3]
         explicit = functools.partial(_explicit_kernel.run, BLOCK_D=bd, BLOCK_P=bp, BLOCK_T=bt)
         gram = functools.partial(_gram_kernel.run, BLOCK_T=_GRAM_TILES[0][0], BLOCK_K=_GRAM_TILES[0][1])

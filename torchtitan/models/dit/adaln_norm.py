@@ -16,23 +16,15 @@ row in registers, and walks a run of one sample's tokens adding the shift, scale
 on CPU tensors in Triton's interpreter (`modulated_norm_triton`).
 """
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.library import triton_op, wrap_triton
 
-try:
-    import triton
-    import triton.language as tl
-    from torch.library import triton_op, wrap_triton
+from torchtitan.tools.triton_support import tl, triton, triton_interpreting
 
-    # Interpreted kernels are launched as they are: torch 2.11's wrap_triton takes compiled ones only. Fixed at
-    # import, as triton fixes its own choice.
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        wrap_triton = lambda kernel: kernel  # noqa: E731
-except ImportError:  # CPU-only installs: the torch path covers every case
-    triton = None
+if triton_interpreting():  # interpreted kernels launch as they are: torch 2.11's wrap_triton takes compiled ones
+    wrap_triton = lambda kernel: kernel  # noqa: E731
 
 # A row stays in registers; past this width the torch path runs instead.
 MAX_FUSED_DIM = 8192
@@ -74,9 +66,9 @@ def modulated_norm(x, shift, scale, branch=None, gate=None, *, kind: str = "laye
 
 def modulated_norm_triton(x, shift, scale, branch, gate, kind: str, eps: float):
     """The Triton kernels on any device they can run on: CUDA, or CPU in the interpreter (tests)."""
-    if branch is not None:
+    if branch is not None:  # the op's tensors, kept for backward too, as the kernels read them: contiguous, one dtype
         dtype = torch.promote_types(x.dtype, torch.promote_types(branch.dtype, gate.dtype))
-        x, branch = x.to(dtype), branch.to(dtype)
+        x, branch = x.to(dtype), branch.to(dtype).contiguous()
     x_new, h, _, _ = _modulated_norm_fwd(x.contiguous(), shift, scale, branch, gate, kind == "rmsnorm", eps)
     return (x if branch is None else x_new), h
 
@@ -178,7 +170,7 @@ if triton is not None:
         mean = x.new_empty((B, T), dtype=torch.float32)
         rstd = x.new_empty((B, T), dtype=torch.float32)
         block, warps = _row_config(D, LAUNCH["fwd_warps"])
-        res_args = (branch.contiguous(), gate, x_new) if has_res else (x, x, x)  # unread without HAS_RES
+        res_args = (branch, gate, x_new) if has_res else (x, x, x)  # unread without HAS_RES
         wrap_triton(_fwd_kernel)[(B * T,)](
             x, res_args[0], res_args[1], shift, scale, res_args[2], h, mean, rstd, T, D,
             gate.stride(0) if has_res else 0, shift.stride(0), scale.stride(0), eps,
@@ -204,7 +196,7 @@ if triton is not None:
         block, warps = _row_config(D, LAUNCH["bwd_warps"])
         wrap_triton(_bwd_kernel)[(B, num_runs)](
             grad_h.contiguous(), grad_x_new.contiguous() if has_dout else x, x, scale, mean, rstd,
-            branch.contiguous() if has_res else x, gate if has_res else scale, grad_x, grad_branch, partial,
+            branch if has_res else x, gate if has_res else scale, grad_x, grad_branch, partial,
             T, D, num_runs, scale.stride(0), gate.stride(0) if has_res else 0,
             HAS_DOUT=has_dout, HAS_RES=has_res, RMS=rms, ROWS=rows, TILE=tile,
             BLOCK_D=block, num_warps=warps,

@@ -1,0 +1,30 @@
+"""Triton where it is installed: the kernels of dp/ and models/dit/ import it from here.
+
+Triton is optional (CPU-only installs run the torch paths). Kernels run on CUDA tensors, and on CPU tensors when
+Triton runs in its interpreter (tests): TRITON_INTERPRET=1 must be set before triton is first imported, because
+triton.jit picks the interpreter or the compiler when it decorates, and triton's own library functions are
+decorated at its import.
+"""
+
+import os
+import types
+
+try:
+    import triton
+    import triton.language as tl
+
+    # Fixed at import, like triton's own jit functions: setting the variable later changes nothing.
+    _knobs = getattr(triton, "knobs", None)  # triton >= 3.4
+    _INTERPRETING = bool(_knobs.runtime.interpret) if _knobs else os.environ.get("TRITON_INTERPRET") == "1"
+    jit = triton.jit
+except ImportError:  # CPU-only installs
+    triton, _INTERPRETING = None, False
+    tl = types.SimpleNamespace(constexpr=None)  # only the kernels' annotations read it
+
+    def jit(fn):
+        return fn
+
+
+def triton_interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1 when triton was imported)."""
+    return _INTERPRETING
