@@ -31,7 +31,8 @@ MAX_FUSED_DIM = 8192
 # Launch settings, read when a kernel is launched (or traced): warps per program of each kernel (0: by row width),
 # the tokens of one sample a backward program walks (its shift/scale/gate partial sums cover them), and how many
 # of those rows it loads at once. scripts/benchmark_adaln_norm.py compares settings; on an H100 at DiT-XL/2's
-# (128, 256, 1152), 4 warps, 16 rows one at a time were the fastest (docs/benchmarks.md, 2026-11-24).
+# (128, 256, 1152), 4 warps with 16 or 32 rows, one at a time, were the fastest measured, within the benchmark's
+# spread of each other (docs/benchmarks.md, 2026-11-24).
 LAUNCH = {"fwd_warps": 0, "bwd_warps": 0, "bwd_rows": 16, "bwd_tile": 1}
 
 
