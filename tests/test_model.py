@@ -13,7 +13,7 @@ from torchtitan.models.dit.rope import apply_rope, build_rope_2d
 
 
 def tiny(**overrides):
-    return dataclasses.replace(dit_configs["debug"], dim=64, depth=2, num_heads=4, **overrides)
+    return dataclasses.replace(dit_configs["debug"], **{"dim": 64, "depth": 2, "num_heads": 4, **overrides})
 
 
 def perturbed(model: DiT, scale: float = 0.02) -> DiT:
@@ -53,10 +53,42 @@ def test_adaln_zero_blocks_are_identity_at_init():
     h = torch.randn(2, model.args.num_tokens, model.args.dim)
     c = torch.randn(2, model.args.dim)
     for block in model.blocks.values():
-        torch.testing.assert_close(block(h, c, model.rope), h, rtol=0, atol=0)
+        x, branch, gate = block(h, c, model.rope)  # the stream handed on apart: x + gate * branch
+        torch.testing.assert_close(x + gate.unsqueeze(1) * branch, h, rtol=0, atol=0)
+        block.finish_residual = True
+        torch.testing.assert_close(block(h, c, model.rope), (h, None, None), rtol=0, atol=0)
     # The zeroed final layer makes the whole model predict 0.
     out = model(torch.randn(2, 1, 16, 16), torch.tensor([3.0, 4.0]), torch.tensor([1, 2]))
     assert out.abs().max() == 0
+
+
+@pytest.mark.parametrize("every_k", ["1", "2", "3"])
+def test_residual_handed_apart_or_summed_is_the_same_model(every_k):
+    # Blocks hand the residual stream on apart (the next norm adds it) except before a checkpointed block, which
+    # gets it summed: the same operations in the same order, so the same outputs and gradients to the bit.
+    from torchtitan.parallelisms.utils import apply_ac
+
+    args = tiny(depth=4)
+    torch.manual_seed(0)
+    model = DiT(args)
+    model.init_weights()
+    perturbed(model)
+    x, t, y = torch.randn(2, 1, 16, 16), torch.tensor([3.0, 700.0]), torch.tensor([1, 2])
+    results = []
+    for checkpointed in (False, True):
+        if checkpointed:
+            apply_ac(model.blocks, "selective", every_k)
+            # Every k-th block is checkpointed; it and the block before it finish their residual.
+            k = int(every_k)
+            assert [b.finish_residual for b in model.blocks.values()] == [
+                i % k == 0 or ((i + 1) % k == 0 and i + 1 < args.depth) for i in range(args.depth)
+            ]
+        model.zero_grad()
+        out = model(x, t, y)
+        out.square().sum().backward()
+        results.append([out, *(p.grad.clone() for p in model.parameters())])
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_rope_is_relative():

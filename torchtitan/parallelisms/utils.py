@@ -43,9 +43,15 @@ def apply_ac(blocks: nn.ModuleDict, mode: str, selective_option: str) -> None:
     or every k-th block ('selective', k)."""
     every_k = int(selective_option) if mode == "selective" and selective_option != "op" else 1
     wrapped = 0
-    for index, (name, block) in enumerate(list(blocks.items())):
+    items = list(blocks.items())
+    for index, (name, block) in enumerate(items):
         if index % every_k != 0:
             continue
+        # A checkpointed block keeps its inputs, and would keep nothing of its own outputs: it gets the residual
+        # stream summed (one tensor) from the block before it, and sums its own, instead of passing them apart.
+        for _, neighbour in items[max(0, index - 1) : index + 1]:
+            if hasattr(neighbour, "finish_residual"):
+                neighbour.finish_residual = True
         if mode == "selective" and selective_option == "op":
             blocks[name] = checkpoint_wrapper(block, context_fn=_selective_op_context, preserve_rng_state=False)
         else:

@@ -28,3 +28,13 @@ except ImportError:  # CPU-only installs
 def triton_interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1 when triton was imported)."""
     return _INTERPRETING
+
+
+def wrap_triton(kernel):
+    """How a `torch.library.triton_op` launches `kernel`: through `torch.library.wrap_triton`, so torch.compile
+    traces the launch; as it is in the interpreter, where torch 2.11's wrap_triton takes only compiled kernels."""
+    if _INTERPRETING:
+        return kernel
+    from torch.library import wrap_triton as wrap
+
+    return wrap(kernel)

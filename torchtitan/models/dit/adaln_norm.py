@@ -19,12 +19,9 @@ on CPU tensors in Triton's interpreter (`modulated_norm_triton`).
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
-from torchtitan.tools.triton_support import tl, triton, triton_interpreting
-
-if triton_interpreting():  # interpreted kernels launch as they are: torch 2.11's wrap_triton takes compiled ones
-    wrap_triton = lambda kernel: kernel  # noqa: E731
+from torchtitan.tools.triton_support import tl, triton, wrap_triton
 
 # A row stays in registers; past this width the torch path runs instead.
 MAX_FUSED_DIM = 8192
@@ -45,7 +42,7 @@ def modulated_norm_torch(x, shift, scale, branch, gate, kind: str, eps: float):
 
 
 def modulated_norm(x, shift, scale, branch=None, gate=None, *, kind: str = "layernorm", eps: float = 1e-6,
-                   fused: bool = True):  # fmt: skip
+                   fused: bool = True, save_output: bool = False):  # fmt: skip
     """x' = x + gate * branch, h = norm(x') * (1 + scale) + shift.
 
     Args:
@@ -54,6 +51,8 @@ def modulated_norm(x, shift, scale, branch=None, gate=None, *, kind: str = "laye
         branch, gate: (B, T, D) and (B, D), the previous branch's output and gate; None for a plain norm.
         kind: "layernorm" or "rmsnorm", neither with affine weights.
         fused: run the Triton kernels on CUDA tensors (rows up to MAX_FUSED_DIM wide); torch otherwise.
+        save_output: the kernels keep x' for backward instead of x (and do not recompute x'): right where nothing
+            else keeps x but the next norm keeps x' (a block's norm1, handed the previous block's residual apart).
 
     Returns:
         (x', h): x' in the promoted dtype of x, gate and branch (x itself without a branch); h in x''s dtype from
@@ -61,16 +60,17 @@ def modulated_norm(x, shift, scale, branch=None, gate=None, *, kind: str = "laye
         next Linear casts to bf16 alike.
     """
     if fused and triton is not None and x.is_cuda and x.shape[-1] <= MAX_FUSED_DIM:
-        return modulated_norm_triton(x, shift, scale, branch, gate, kind, eps)
+        return modulated_norm_triton(x, shift, scale, branch, gate, kind, eps, save_output)
     return modulated_norm_torch(x, shift, scale, branch, gate, kind, eps)
 
 
-def modulated_norm_triton(x, shift, scale, branch, gate, kind: str, eps: float):
+def modulated_norm_triton(x, shift, scale, branch, gate, kind: str, eps: float, save_output: bool = False):
     """The Triton kernels on any device they can run on: CUDA, or CPU in the interpreter (tests)."""
     if branch is not None:  # the op's tensors, kept for backward too, as the kernels read them: contiguous, one dtype
         dtype = torch.promote_types(x.dtype, torch.promote_types(branch.dtype, gate.dtype))
         x, branch = x.to(dtype), branch.to(dtype).contiguous()
-    x_new, h, _, _ = _modulated_norm_fwd(x.contiguous(), shift, scale, branch, gate, kind == "rmsnorm", eps)
+    x_new, h, _, _ = _modulated_norm_fwd(x.contiguous(), shift, scale, branch, gate, kind == "rmsnorm", eps,
+                                         save_output)  # fmt: skip
     return (x if branch is None else x_new), h
 
 
@@ -110,8 +110,9 @@ if triton is not None:
 
     @triton.jit
     def _bwd_kernel(DH, DOUT, X, SC, MEAN, RSTD, BR, G, DX, DBR, PART, T, D, num_runs, stride_sc, stride_g,
-                    HAS_DOUT: tl.constexpr, HAS_RES: tl.constexpr, RMS: tl.constexpr, ROWS: tl.constexpr,
-                    TILE: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+                    HAS_DOUT: tl.constexpr, HAS_RES: tl.constexpr, RECOMPUTE: tl.constexpr, RMS: tl.constexpr,
+                    ROWS: tl.constexpr, TILE: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+        # X holds x, from which x' is recomputed (RECOMPUTE), or x' itself.
         # Program (b, run) walks tokens [run * ROWS, (run + 1) * ROWS) of sample b, TILE rows at a time: the loads
         # of a tile go out together, which keeps enough bytes in flight per SM to reach memory bandwidth.
         b = tl.program_id(0).to(tl.int64)
@@ -132,9 +133,10 @@ if triton is not None:
             x = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
             if HAS_DOUT:
                 dout = tl.load(DOUT + offsets, mask=mask, other=0.0).to(tl.float32)
-            if HAS_RES:  # x' again, rounded as the forward stored it: cheaper than keeping it for backward
+            if HAS_RES:
                 branch = tl.load(BR + offsets, mask=mask, other=0.0).to(tl.float32)
-                x = (x + gate * branch).to(DX.dtype.element_ty).to(tl.float32)
+                if RECOMPUTE:  # x' again, rounded as the forward stored it: cheaper than keeping it for backward
+                    x = (x + gate * branch).to(DX.dtype.element_ty).to(tl.float32)
             mean = tl.load(MEAN + b * T + t, mask=t < T, other=0.0)
             rstd = tl.load(RSTD + b * T + t, mask=t < T, other=0.0)
             xhat = tl.where(mask, (x - mean) * rstd, 0.0)
@@ -161,9 +163,10 @@ if triton is not None:
 
     @triton_op("torchditan::modulated_norm_fwd", mutates_args=())
     def _modulated_norm_fwd(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, branch: torch.Tensor | None,
-                            gate: torch.Tensor | None, rms: bool, eps: float
+                            gate: torch.Tensor | None, rms: bool, eps: float, save_output: bool = False
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-        """(x', h, mean, rstd); x' is empty without a branch. mean and rstd are (B, T) float32."""
+        """(x', h, mean, rstd); x' is empty without a branch. mean and rstd are (B, T) float32. save_output only
+        tells backward what was kept (see modulated_norm)."""
         B, T, D = x.shape
         has_res = branch is not None
         x_new = torch.empty_like(x) if has_res else x.new_empty(0)
@@ -182,9 +185,10 @@ if triton is not None:
     @triton_op("torchditan::modulated_norm_bwd", mutates_args=())
     def _modulated_norm_bwd(grad_h: torch.Tensor, grad_x_new: torch.Tensor | None, x: torch.Tensor,
                             scale: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, branch: torch.Tensor | None,
-                            gate: torch.Tensor | None, rms: bool
+                            gate: torch.Tensor | None, rms: bool, recompute: bool = True
                             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-        """(grad x, grad shift, grad scale, grad branch, grad gate); the last two empty without a branch."""
+        """(grad x, grad shift, grad scale, grad branch, grad gate); the last two empty without a branch.
+        x is the forward's x (x' recomputed from it with the branch) or, with recompute False, x' itself."""
         B, T, D = x.shape
         has_res, has_dout = branch is not None, grad_x_new is not None
         rows, tile = LAUNCH["bwd_rows"], LAUNCH["bwd_tile"]
@@ -199,7 +203,7 @@ if triton is not None:
             grad_h.contiguous(), grad_x_new.contiguous() if has_dout else x, x, scale, mean, rstd,
             branch if has_res else x, gate if has_res else scale, grad_x, grad_branch, partial,
             T, D, num_runs, scale.stride(0), gate.stride(0) if has_res else 0,
-            HAS_DOUT=has_dout, HAS_RES=has_res, RMS=rms, ROWS=rows, TILE=tile,
+            HAS_DOUT=has_dout, HAS_RES=has_res, RECOMPUTE=recompute, RMS=rms, ROWS=rows, TILE=tile,
             BLOCK_D=block, num_warps=warps,
         )  # fmt: skip
         # One sum per output: returns of a custom op may not alias each other.
@@ -208,21 +212,22 @@ if triton is not None:
         return grad_x, grad_shift, grad_scale, grad_branch, grad_gate
 
     def _setup_context(ctx, inputs, output):
-        x, shift, scale, branch, gate, rms, eps = inputs
-        _, _, mean, rstd = output
+        x, shift, scale, branch, gate, rms, eps, save_output = inputs
+        x_new, _, mean, rstd = output
         ctx.rms = rms
         ctx.has_res = branch is not None
-        # x, not x': backward recomputes x' from x and the branch it reads anyway, so x' need not be kept.
-        ctx.save_for_backward(x, scale, mean, rstd, branch, gate)
+        # By default x, not x': backward recomputes x' from x and the branch it reads anyway, so x' need not be kept.
+        ctx.recompute = not (save_output and ctx.has_res)
+        ctx.save_for_backward(x if ctx.recompute else x_new, scale, mean, rstd, branch, gate)
 
     def _backward(ctx, grad_x_new, grad_h, grad_mean, grad_rstd):
         x, scale, mean, rstd, branch, gate = ctx.saved_tensors
         grad_out = grad_x_new if ctx.has_res else None
         grad_x, grad_shift, grad_scale, grad_branch, grad_gate = _modulated_norm_bwd(
-            grad_h, grad_out, x, scale, mean, rstd, branch, gate, ctx.rms
+            grad_h, grad_out, x, scale, mean, rstd, branch, gate, ctx.rms, ctx.recompute
         )
         if not ctx.has_res:
-            return grad_x, grad_shift, grad_scale, None, None, None, None
-        return grad_x, grad_shift, grad_scale, grad_branch, grad_gate, None, None
+            return grad_x, grad_shift, grad_scale, None, None, None, None, None
+        return grad_x, grad_shift, grad_scale, grad_branch, grad_gate, None, None, None
 
     _modulated_norm_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -112,15 +112,17 @@ class ModulatedNorm(nn.Module):
     """adaLN: a norm without affine weights, modulated per sample (DiT paper), after an optional gated residual add.
 
     forward(x, shift, scale, branch, gate) returns (x', h) with x' = x + gate * branch (x without a branch) and
-    h = norm(x') * (1 + scale) + shift; one Triton kernel each way on CUDA (adaln_norm.py).
+    h = norm(x') * (1 + scale) + shift; one Triton kernel each way on CUDA (adaln_norm.py). `save_output`: the
+    kernels keep x', not x, for backward (see adaln_norm.modulated_norm).
     """
 
-    def __init__(self, kind: str, eps: float, fused: bool):
+    def __init__(self, kind: str, eps: float, fused: bool, save_output: bool = False):
         super().__init__()
-        self.kind, self.eps, self.fused = kind, eps, fused
+        self.kind, self.eps, self.fused, self.save_output = kind, eps, fused, save_output
 
     def forward(self, x, shift, scale, branch=None, gate=None) -> tuple[torch.Tensor, torch.Tensor]:
-        return modulated_norm(x, shift, scale, branch, gate, kind=self.kind, eps=self.eps, fused=self.fused)
+        return modulated_norm(x, shift, scale, branch, gate, kind=self.kind, eps=self.eps, fused=self.fused,
+                              save_output=self.save_output)  # fmt: skip
 
 
 def timestep_frequencies(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
@@ -240,34 +242,52 @@ class FeedForward(nn.Module):
 
 
 class DiTBlock(nn.Module):
-    """Transformer block with adaLN-Zero conditioning (DiT paper, Fig. 3)."""
+    """Transformer block with adaLN-Zero conditioning (DiT paper, Fig. 3).
+
+    The residual stream is handed from block to block apart: a block takes (x, branch, gate), the previous
+    block's stream before its MLP branch is added, and returns its own, so each gated residual add happens in the
+    norm after it, inside that norm's kernel (adaln_norm.py): x_out = x + gate * branch is never a pass of its own.
+    With `finish_residual` set, the block adds its MLP branch itself and returns (x_out, None, None): apply_ac sets
+    it on each checkpointed block and the block before it, since a checkpointed block keeps its inputs for
+    backward (one tensor is cheaper to keep than two) and its MLP output would be kept by the next norm.
+    """
 
     def __init__(self, args: DiTArgs):
         super().__init__()
-        self.norm1 = ModulatedNorm(args.norm, args.norm_eps, args.fused_norm)
+        # norm1 keeps its output x' (which norm2 keeps as its input) rather than its input, which nothing else keeps.
+        self.norm1 = ModulatedNorm(args.norm, args.norm_eps, args.fused_norm, save_output=True)
         self.attn = Attention(args)
         self.norm2 = ModulatedNorm(args.norm, args.norm_eps, args.fused_norm)
         self.mlp = FeedForward(args)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(args.dim, 6 * args.dim))
+        self.finish_residual = False
 
-    def forward(self, x: torch.Tensor, c: torch.Tensor, rope: torch.Tensor | None, block_mask=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, c: torch.Tensor, rope: torch.Tensor | None, block_mask=None,
+                branch: torch.Tensor | None = None, gate: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+        """(x, branch, gate) of the previous block (branch and gate None: x is the whole stream) -> this block's."""
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c).chunk(6, dim=-1)
-        _, h = self.norm1(x, shift_msa, scale_msa)
+        x, h = self.norm1(x, shift_msa, scale_msa, branch, gate)  # x + gate * branch, then norm1
         attn_out = self.attn(h, rope, block_mask)
         x, h = self.norm2(x, shift_mlp, scale_mlp, attn_out, gate_msa)  # x + gate_msa * attn_out, then norm2
-        return x + gate_mlp.unsqueeze(1) * self.mlp(h)
+        mlp_out = self.mlp(h)
+        if self.finish_residual:
+            return x + gate_mlp.unsqueeze(1) * mlp_out, None, None
+        return x, mlp_out, gate_mlp
 
 
 class FinalLayer(nn.Module):
     def __init__(self, args: DiTArgs):
         super().__init__()
-        self.norm_final = ModulatedNorm(args.norm, args.norm_eps, args.fused_norm)
+        self.norm_final = ModulatedNorm(args.norm, args.norm_eps, args.fused_norm, save_output=True)
         self.linear = nn.Linear(args.dim, args.patch_size**2 * args.out_channels)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(args.dim, 2 * args.dim))
 
-    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, c: torch.Tensor, branch: torch.Tensor | None = None,
+                gate: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """The last block's (x, branch, gate) -> (B, T, p*p*C_out)."""
         shift, scale = self.adaLN_modulation(c).chunk(2, dim=-1)
-        return self.linear(self.norm_final(x, shift, scale)[1])
+        return self.linear(self.norm_final(x, shift, scale, branch, gate)[1])
 
 
 class DiT(nn.Module):
@@ -350,9 +370,10 @@ class DiT(nn.Module):
         c = self.t_embedder(t)  # (B, D)
         if self.y_embedder is not None:
             c = c + self.y_embedder(y)
+        branch = gate = None  # the residual stream is h + gate * branch (see DiTBlock)
         for block in self.blocks.values():
-            h = block(h, c, rope, self.block_mask)
-        h = self.final_layer(h, c)  # (B, T, p*p*C_out)
+            h, branch, gate = block(h, c, rope, self.block_mask, branch, gate)
+        h = self.final_layer(h, c, branch, gate)  # (B, T, p*p*C_out)
         return self.unpatchify(h)
 
 
