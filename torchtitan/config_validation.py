@@ -51,6 +51,7 @@ def validate(cfg, source: str) -> None:
         "model.qk_norm": ("", "true", "false"),
         "model.learn_sigma": ("", "true", "false"),
         "model.fused_norm": ("", "true", "false"),
+        "model.fused_mlp": ("", "true", "false"),
     }
     for key, allowed in choices.items():
         _choice(cfg, key, allowed, source)

@@ -12,6 +12,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from torchtitan.models.dit.adaln_norm import modulated_norm
+from torchtitan.models.dit.mlp_activation import bias_activation, fused_mlp_applies
 from torchtitan.models.dit.rope import apply_rope, build_rope_2d
 
 _compiled_flex_attention = None  # built on first use: torch.compile at import would cost every process seconds
@@ -54,6 +55,7 @@ class DiTArgs:
     norm_eps: float = 1e-6
     multiple_of: int = 256  # SwiGLU hidden size rounding, as in Llama
     fused_norm: bool = True  # on CUDA, each adaLN norm (and the gated residual add before it) is one Triton kernel
+    fused_mlp: bool = True  # on CUDA, fc1's bias and the MLP activation are one Triton kernel (mlp_activation.py)
 
     @property
     def out_channels(self) -> int:
@@ -226,12 +228,15 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, args: DiTArgs):
         super().__init__()
-        self.kind = args.mlp
+        self.kind, self.fused = args.mlp, args.fused_mlp
         hidden = args.mlp_hidden_dim
         self.fc1 = nn.Linear(args.dim, 2 * hidden if self.kind == "swiglu" else hidden)
         self.fc2 = nn.Linear(hidden, args.dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and fused_mlp_applies(x, self.fc1):
+            # fc1 without its bias; the bias, the activation and (in backward) the bias gradient in one kernel
+            return self.fc2(bias_activation(F.linear(x, self.fc1.weight), self.fc1.bias, self.kind))
         h = self.fc1(x)
         if self.kind == "swiglu":
             gate, up = h.chunk(2, dim=-1)

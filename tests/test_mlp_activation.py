@@ -1,0 +1,157 @@
+"""The MLP's bias + activation kernels (Triton; its CPU interpreter here, compiled on CUDA) against the torch maths.
+
+As in test_adaln_norm.py, the interpreter tests run in a TRITON_INTERPRET=1 child process of
+`test_kernels_in_interpreter`.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from torchtitan.dp.testing import rerun_under_triton_interpreter
+from torchtitan.models.dit import DiT, dit_configs
+from torchtitan.models.dit import mlp_activation as ma
+from torchtitan.tools.triton_support import triton_interpreting
+
+pytestmark = pytest.mark.skipif(ma.triton is None, reason="triton is not installed")
+needs_interpreter = pytest.mark.skipif(
+    not triton_interpreting(), reason="runs in the TRITON_INTERPRET=1 child of test_kernels_in_interpreter"
+)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or triton_interpreting(), reason="needs CUDA, compiled")
+
+
+@pytest.mark.skipif(triton_interpreting(), reason="this is the child")
+def test_kernels_in_interpreter():
+    rerun_under_triton_interpreter(__file__, min_passed=6)
+
+
+def _run(fn, pre, bias, grad_h, kind):
+    """h = act(pre + bias) and the gradients of <h, grad_h> for pre and bias."""
+    pre, bias = (t.detach().requires_grad_() for t in (pre, bias))
+    h = fn(pre, bias, kind)
+    return [h, *torch.autograd.grad((h.double() * grad_h.double()).sum(), (pre, bias))]
+
+
+def _inputs(rows, n_in, n_out, dtype, device="cpu"):
+    g = torch.Generator(device=device).manual_seed(0)
+    pre = (2 * torch.randn(3, rows, n_in, device=device, generator=g)).to(dtype)  # GELU's curved part and tails
+    bias = torch.randn(n_in, device=device, generator=g).to(dtype)
+    grad_h = torch.randn(3, rows, n_out, device=device, generator=g).to(dtype)
+    return pre, bias, grad_h
+
+
+@needs_interpreter
+@pytest.mark.parametrize("kind", ["gelu", "swiglu"])
+@pytest.mark.parametrize("block_m,bwd_rows", [(32, 256), (8, 16)])
+def test_kernels_match_torch(monkeypatch, kind, block_m, bwd_rows):
+    # 3 x 37 rows leave a ragged last run and a ragged row block; 200 outputs a ragged column block of 128.
+    # fp32 kernels against fp64 maths on the same inputs: rtol 1e-5, atol 1e-5 (the bias gradient sums 111 rows).
+    monkeypatch.setitem(ma.LAUNCH, "block_m", block_m)
+    monkeypatch.setitem(ma.LAUNCH, "bwd_rows", bwd_rows)
+    n_out = 200
+    pre, bias, grad_h = _inputs(37, 2 * n_out if kind == "swiglu" else n_out, n_out, torch.float32)
+    ref = _run(ma.bias_activation_torch, pre.double(), bias.double(), grad_h, kind)
+    got = _run(ma.bias_activation, pre, bias, grad_h, kind)
+    for a, b in zip(got, ref, strict=True):
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("mlp", ["gelu", "swiglu"])
+def test_dit_with_the_kernels_matches_torch(mlp):
+    # The debug DiT with and without the kernels (the interpreter runs them on CPU tensors): the same outputs and
+    # parameter gradients, fp32, rtol 1e-4 and atol 1e-5 (fc1's bias added outside the GEMM, sums in another order).
+    results = []
+    for fused in (False, True):
+        args = dataclasses.replace(dit_configs["debug"], mlp=mlp, fused_mlp=fused)
+        torch.manual_seed(0)
+        model = DiT(args)
+        model.init_weights()
+        with torch.no_grad():  # adaLN-Zero starts every gate at 0: make them count
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        x, t, y = torch.randn(3, 1, 16, 16), torch.tensor([1.0, 500.0, 999.0]), torch.tensor([0, 3, 10])
+        out = model(x, t, y)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        results.append([out.detach(), *(p.grad for p in model.parameters())])
+    names = ["output", *(n for n, _ in model.named_parameters())]
+    for name, a, b in zip(names, *results, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_the_module_path_stays_where_fc1_is_hooked_or_swapped(monkeypatch):
+    # The kernels call fc1's weight, not fc1: DP-SGD's per-sample hooks and float8's Linear need the module.
+    monkeypatch.setattr(ma, "triton_interpreting", lambda: True)  # as if CPU tensors could run the kernels
+    x, fc1 = torch.randn(2, 4, 8), nn.Linear(8, 16)
+    assert ma.fused_mlp_applies(x, fc1)
+    handle = fc1.register_forward_hook(lambda *args: None)
+    assert not ma.fused_mlp_applies(x, fc1)
+    handle.remove()
+    fc1.register_forward_pre_hook(lambda *args: None)
+    assert not ma.fused_mlp_applies(x, fc1)
+
+    class Swapped(nn.Linear):  # e.g. torchao's Float8Linear
+        pass
+
+    assert not ma.fused_mlp_applies(x, Swapped(8, 16))
+    assert not ma.fused_mlp_applies(x, nn.Linear(8, 16, bias=False))
+
+
+@pytest.mark.skipif(triton_interpreting(), reason="the interpreter runs CPU tensors through the kernels")
+def test_cpu_tensors_keep_the_module_path():
+    assert not ma.fused_mlp_applies(torch.randn(2, 4, 8), nn.Linear(8, 16))
+
+
+@needs_cuda
+@pytest.mark.parametrize("kind", ["gelu", "swiglu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernels_on_cuda(kind, dtype):
+    # At DiT-XL/2's MLP width (GELU) and the 0.5B's (SwiGLU), against fp64 maths on the same inputs: fp32 as in the
+    # interpreter test; bf16 within a few bf16 ulps (outputs and the gradient of pre are stored in bf16; the
+    # bias gradient is summed in fp32 from bf16 products).
+    n_out = 4608 if kind == "gelu" else 3584
+    pre, bias, grad_h = _inputs(256, 2 * n_out if kind == "swiglu" else n_out, n_out, dtype, device="cuda")
+    ref = _run(ma.bias_activation_torch, pre.double(), bias.double(), grad_h, kind)
+    got = _run(ma.bias_activation, pre, bias, grad_h, kind)
+    for a, b in zip(got, ref, strict=True):
+        if dtype == torch.float32:
+            torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-4)
+        else:
+            torch.testing.assert_close(a.double(), b, rtol=2e-2, atol=2e-2 * b.abs().max().item())
+
+
+@needs_cuda
+@pytest.mark.parametrize("mlp", ["gelu", "swiglu"])
+def test_compiled_mlp_matches_module_path_on_cuda(mlp):
+    # The DiT MLP under torch.compile(fullgraph=True) and bf16 autocast, as the trainer runs it: the custom op
+    # traces without graph breaks, and output and gradients match the module path's within bf16 tolerance.
+    from torchtitan.models.dit.model import FeedForward
+
+    results = []
+    for fused in (False, True):
+        args = dataclasses.replace(dit_configs["DiT-B/2"], mlp=mlp, fused_mlp=fused)
+        torch.manual_seed(0)
+        mlp_module = FeedForward(args).cuda()
+        g = torch.Generator(device="cuda").manual_seed(1)
+        x = torch.randn(8, 256, args.dim, device="cuda", generator=g, requires_grad=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = torch.compile(mlp_module, fullgraph=True)(x)
+        out.float().square().mean().backward()
+        results.append([out.float(), x.grad, *(p.grad for p in mlp_module.parameters())])
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), rtol=3e-2, atol=3e-2 * b.abs().max().item())
+
+
+def test_fused_mlp_override_reaches_the_model():
+    from torchtitan.config_manager import ConfigError, parse_args
+    from torchtitan.train_spec import build_model_args, get_train_spec
+
+    spec = get_train_spec("dit")
+    for value, expected in (("false", False), ("true", True)):
+        config = parse_args(["--model.fused_mlp", value])
+        assert build_model_args(spec, config.model).fused_mlp is expected
+    assert build_model_args(spec, parse_args([]).model).fused_mlp is True  # the flavor's default
+    with pytest.raises(ConfigError, match="model.fused_mlp"):
+        parse_args(["--model.fused_mlp", "yes"])

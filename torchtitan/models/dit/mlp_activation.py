@@ -1,0 +1,156 @@
+"""The DiT MLP's bias add and activation as one Triton kernel each way, the backward adding up fc1's bias gradient.
+
+The MLP computes fc2(act(fc1(x))). Compiled, Inductor adds fc1's bias in the GEMM, runs act's backward as one pass
+over the (B*T, H) hidden activations, and the bias gradient (a sum over every token) as a second pass that reads
+them all again: a sum over rows does not fuse with an elementwise pass. Here fc1 runs as a plain GEMM, without its
+bias, and
+
+    h = act(pre + bias)      act: GELU with the tanh approximation (DiT), or SwiGLU: silu(gate) * up, where
+                             pre + bias = [gate, up] (the Llama-style flavors)
+
+is one kernel; its backward writes the gradient of pre and, in the same pass, sums of it over runs of rows
+(added in torch: deterministic, no atomics), the bias gradient.
+
+`fused_mlp_applies` says where the model takes this path: CUDA tensors and a plain nn.Linear fc1 that nothing
+hooks (the path calls fc1's weight, not the module: DP-SGD's per-sample hooks and float8's Linear keep the module).
+Tests run the kernels on CPU tensors in Triton's interpreter.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.library import triton_op
+
+from torchtitan.tools.triton_support import tl, triton, triton_interpreting, wrap_triton
+
+ACTIVATIONS = ("gelu", "swiglu")
+# Launch settings: columns per program, rows per load, and rows a backward program walks (its bias partial sums
+# cover them; (B*T / BWD_ROWS, H) float32 partials).
+LAUNCH = {"block_n": 128, "block_m": 32, "bwd_rows": 256}
+
+
+def fused_mlp_applies(x: Tensor, fc1: nn.Module) -> bool:
+    """Whether the kernels can stand in for fc1's bias and the activation: see the module docstring."""
+    plain = type(fc1) is nn.Linear and fc1.bias is not None and not fc1._forward_hooks and not fc1._forward_pre_hooks
+    return triton is not None and plain and (x.is_cuda or triton_interpreting())
+
+
+def bias_activation_torch(pre: Tensor, bias: Tensor, kind: str) -> Tensor:
+    """The reference maths: act(pre + bias)."""
+    pre = pre + bias
+    if kind == "swiglu":
+        gate, up = pre.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return F.gelu(pre, approximate="tanh")
+
+
+def bias_activation(pre: Tensor, bias: Tensor, kind: str) -> Tensor:
+    """act(pre + bias) by the kernels, for pre (..., N) (N = 2H for SwiGLU) -> (..., H) in pre's dtype."""
+    if kind not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {kind!r}")
+    return _bias_act_fwd(pre.contiguous(), bias, kind == "swiglu")
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gelu_tanh(z):
+        # tanh(u) = 2 sigmoid(2u) - 1: tl has sigmoid on every backend, the interpreter included.
+        u = 0.7978845608028654 * (z + 0.044715 * z * z * z)  # sqrt(2 / pi) (z + 0.044715 z^3)
+        t = 2.0 * tl.sigmoid(2.0 * u) - 1.0
+        d = 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3 * 0.044715 * z * z)
+        return 0.5 * z * (1.0 + t), d  # value, derivative
+
+    @triton.jit
+    def _bias_act_fwd_kernel(PRE, BIAS, H, M, N_OUT, stride_pre, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr):  # fmt: skip
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]  # (BLOCK_M, 1)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]  # (1, BLOCK_N)
+        mask = (rows < M) & (cols < N_OUT)
+        z = tl.load(PRE + rows * stride_pre + cols, mask=mask, other=0.0).to(tl.float32)
+        z += tl.load(BIAS + cols, mask=cols < N_OUT, other=0.0).to(tl.float32)
+        if SWIGLU:  # z is the gate; up sits N_OUT columns on
+            up = tl.load(PRE + rows * stride_pre + N_OUT + cols, mask=mask, other=0.0).to(tl.float32)
+            up += tl.load(BIAS + N_OUT + cols, mask=cols < N_OUT, other=0.0).to(tl.float32)
+            h = z * tl.sigmoid(z) * up
+        else:
+            h, _ = _gelu_tanh(z)
+        tl.store(H + rows * N_OUT + cols, h, mask=mask)
+
+    @triton.jit
+    def _bias_act_bwd_kernel(DH, PRE, BIAS, DPRE, PART, M, N_OUT, stride_pre, SWIGLU: tl.constexpr, ROWS: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+        # Program (run, column block) walks rows [run * ROWS, (run + 1) * ROWS), BLOCK_M at a time, adding up the
+        # gradient of pre over them: one partial sum of the bias gradient per run.
+        run = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        col_mask = cols < N_OUT
+        bias = tl.load(BIAS + cols, mask=col_mask, other=0.0).to(tl.float32)
+        if SWIGLU:
+            bias_up = tl.load(BIAS + N_OUT + cols, mask=col_mask, other=0.0).to(tl.float32)
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        acc_up = tl.zeros([BLOCK_N], tl.float32)
+        for first in range(0, ROWS, BLOCK_M):
+            rows = run.to(tl.int64) * ROWS + first + tl.arange(0, BLOCK_M)[:, None]
+            mask = (rows < M) & col_mask
+            dh = tl.load(DH + rows * N_OUT + cols, mask=mask, other=0.0).to(tl.float32)
+            z = tl.load(PRE + rows * stride_pre + cols, mask=mask, other=0.0).to(tl.float32) + bias
+            if SWIGLU:
+                up = tl.load(PRE + rows * stride_pre + N_OUT + cols, mask=mask, other=0.0).to(tl.float32) + bias_up
+                s = tl.sigmoid(z)
+                dz = dh * up * s * (1.0 + z * (1.0 - s))  # d silu(z) / dz = s (1 + z (1 - s))
+                dup = dh * z * s
+                tl.store(DPRE + rows * stride_pre + N_OUT + cols, dup, mask=mask)
+                acc_up += tl.sum(dup, axis=0)
+            else:
+                _, d = _gelu_tanh(z)
+                dz = dh * d
+            tl.store(DPRE + rows * stride_pre + cols, dz, mask=mask)
+            acc += tl.sum(dz, axis=0)
+        n_in = stride_pre  # partial rows are as wide as pre: [gate, up] for SwiGLU
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(PART + run * n_in + cols, acc, mask=cols < N_OUT)
+        if SWIGLU:
+            tl.store(PART + run * n_in + N_OUT + cols, acc_up, mask=cols < N_OUT)
+
+    @triton_op("torchditan::bias_act_fwd", mutates_args=())
+    def _bias_act_fwd(pre: Tensor, bias: Tensor, swiglu: bool) -> Tensor:
+        n_in = pre.shape[-1]
+        n_out = n_in // 2 if swiglu else n_in
+        m = pre.numel() // n_in
+        h = pre.new_empty((*pre.shape[:-1], n_out))
+        block_m, block_n = LAUNCH["block_m"], LAUNCH["block_n"]
+        wrap_triton(_bias_act_fwd_kernel)[(triton.cdiv(m, block_m), triton.cdiv(n_out, block_n))](
+            pre, bias, h, m, n_out, n_in, SWIGLU=swiglu, BLOCK_M=block_m, BLOCK_N=block_n
+        )
+        return h
+
+    @triton_op("torchditan::bias_act_bwd", mutates_args=())
+    def _bias_act_bwd(grad_h: Tensor, pre: Tensor, bias: Tensor, swiglu: bool) -> tuple[Tensor, Tensor]:
+        """(grad of pre, grad of bias)."""
+        n_in = pre.shape[-1]
+        n_out = n_in // 2 if swiglu else n_in
+        m = pre.numel() // n_in
+        block_m, block_n, rows = LAUNCH["block_m"], LAUNCH["block_n"], LAUNCH["bwd_rows"]
+        if rows % block_m:
+            raise ValueError(f"mlp_activation.LAUNCH: bwd_rows {rows} is not a multiple of block_m {block_m}")
+        num_runs = triton.cdiv(m, rows)
+        grad_pre = torch.empty_like(pre)
+        partial = pre.new_empty((num_runs, n_in), dtype=torch.float32)
+        wrap_triton(_bias_act_bwd_kernel)[(num_runs, triton.cdiv(n_out, block_n))](
+            grad_h.contiguous(), pre, bias, grad_pre, partial, m, n_out, n_in,
+            SWIGLU=swiglu, ROWS=rows, BLOCK_M=block_m, BLOCK_N=block_n,
+        )  # fmt: skip
+        return grad_pre, partial.sum(0).to(bias.dtype)
+
+    def _setup_context(ctx, inputs, output):
+        pre, bias, swiglu = inputs
+        ctx.swiglu = swiglu
+        ctx.save_for_backward(pre, bias)
+
+    def _backward(ctx, grad_h):
+        pre, bias = ctx.saved_tensors
+        grad_pre, grad_bias = _bias_act_bwd(grad_h, pre, bias, ctx.swiglu)
+        return grad_pre, grad_bias, None
+
+    _bias_act_fwd.register_autograd(_backward, setup_context=_setup_context)
