@@ -10,7 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from torchtitan.tools.triton_support import triton_interpreting
+
 ROOT = Path(__file__).resolve().parents[1]
+
+# Kernel tests: those that run only in the TRITON_INTERPRET=1 child process their module starts, and CUDA ones.
+needs_interpreter = pytest.mark.skipif(
+    not triton_interpreting(), reason="runs in the TRITON_INTERPRET=1 child of test_kernels_in_interpreter"
+)
+needs_cuda_triton = pytest.mark.skipif(
+    not torch.cuda.is_available() or triton_interpreting(), reason="needs CUDA, compiled"
+)
 
 # Few threads per process: CI has 2 cores, and multi-process tests run several processes at once.
 torch.set_num_threads(2)

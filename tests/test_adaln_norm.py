@@ -7,6 +7,7 @@ As in test_dp_flash_kernels.py, the interpreter tests run in a TRITON_INTERPRET=
 import pytest
 import torch
 
+from tests.conftest import needs_cuda_triton, needs_interpreter
 from torchtitan.dp.testing import rerun_under_triton_interpreter
 from torchtitan.models.dit import DiT, dit_configs
 from torchtitan.models.dit import adaln_norm as an
@@ -15,10 +16,6 @@ from torchtitan.parallelisms.utils import apply_ac
 from torchtitan.tools.triton_support import triton_interpreting
 
 pytestmark = pytest.mark.skipif(an.triton is None, reason="triton is not installed")
-needs_interpreter = pytest.mark.skipif(
-    not triton_interpreting(), reason="runs in the TRITON_INTERPRET=1 child of test_kernels_in_interpreter"
-)
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or triton_interpreting(), reason="needs CUDA, compiled")
 
 
 @pytest.mark.skipif(triton_interpreting(), reason="this is the child")
@@ -143,7 +140,7 @@ def test_cpu_tensors_take_the_torch_path(monkeypatch):
     assert torch.equal(x_new, expected[0]) and torch.equal(h, expected[1])
 
 
-@needs_cuda
+@needs_cuda_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
 @pytest.mark.parametrize("rows,tile", [(16, 1), (16, 4)])
@@ -162,7 +159,7 @@ def test_compiled_kernels_on_cuda(monkeypatch, dtype, kind, rows, tile):
             torch.testing.assert_close(a.double(), b, rtol=2e-2, atol=2e-2 * b.abs().max().item())
 
 
-@needs_cuda
+@needs_cuda_triton
 def test_compiled_block_matches_torch_path_on_cuda():
     # A DiT-B/2-wide block under torch.compile(fullgraph=True): the custom ops trace without graph breaks, and
     # the fused block's output and gradients match the torch path's (bf16 autocast, as the trainer runs), with the

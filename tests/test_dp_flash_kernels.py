@@ -13,14 +13,12 @@ import pytest
 import torch
 from torch import nn
 
+from tests.conftest import needs_interpreter
 from torchtitan.dp import DPEngine
 from torchtitan.dp import flash_kernels as fk
 from torchtitan.dp.testing import clipped_mean, per_sample_grads, rerun_under_triton_interpreter
 
 pytestmark = pytest.mark.skipif(fk.triton is None, reason="triton is not installed")
-needs_interpreter = pytest.mark.skipif(
-    not fk.triton_interpreting(), reason="runs in the TRITON_INTERPRET=1 child of test_kernels_in_interpreter"
-)
 
 
 @pytest.mark.skipif(fk.triton_interpreting(), reason="this is the child")

@@ -10,16 +10,13 @@ import pytest
 import torch
 from torch import nn
 
+from tests.conftest import needs_cuda_triton, needs_interpreter
 from torchtitan.dp.testing import rerun_under_triton_interpreter
 from torchtitan.models.dit import DiT, dit_configs
 from torchtitan.models.dit import mlp_activation as ma
 from torchtitan.tools.triton_support import triton_interpreting
 
 pytestmark = pytest.mark.skipif(ma.triton is None, reason="triton is not installed")
-needs_interpreter = pytest.mark.skipif(
-    not triton_interpreting(), reason="runs in the TRITON_INTERPRET=1 child of test_kernels_in_interpreter"
-)
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or triton_interpreting(), reason="needs CUDA, compiled")
 
 
 @pytest.mark.skipif(triton_interpreting(), reason="this is the child")
@@ -104,7 +101,7 @@ def test_cpu_tensors_keep_the_module_path():
     assert not ma.fused_mlp_applies(torch.randn(2, 4, 8), nn.Linear(8, 16))
 
 
-@needs_cuda
+@needs_cuda_triton
 @pytest.mark.parametrize("kind", ["gelu", "swiglu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernels_on_cuda(kind, dtype):
@@ -122,7 +119,7 @@ def test_kernels_on_cuda(kind, dtype):
             torch.testing.assert_close(a.double(), b, rtol=2e-2, atol=2e-2 * b.abs().max().item())
 
 
-@needs_cuda
+@needs_cuda_triton
 @pytest.mark.parametrize("mlp", ["gelu", "swiglu"])
 def test_compiled_mlp_matches_module_path_on_cuda(mlp):
     # The DiT MLP under torch.compile(fullgraph=True) and bf16 autocast, as the trainer runs it: the custom op
