@@ -35,13 +35,17 @@ def fused_mlp_applies(x: Tensor, fc1: nn.Module) -> bool:
     return triton is not None and plain and (x.is_cuda or triton_interpreting())
 
 
+def activation(h: Tensor, kind: str) -> Tensor:
+    """The MLP's activation in torch: GELU-tanh of h, or SwiGLU of h = [gate, up]."""
+    if kind == "swiglu":
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return F.gelu(h, approximate="tanh")
+
+
 def bias_activation_torch(pre: Tensor, bias: Tensor, kind: str) -> Tensor:
     """The reference maths: act(pre + bias)."""
-    pre = pre + bias
-    if kind == "swiglu":
-        gate, up = pre.chunk(2, dim=-1)
-        return F.silu(gate) * up
-    return F.gelu(pre, approximate="tanh")
+    return activation(pre + bias, kind)
 
 
 def bias_activation(pre: Tensor, bias: Tensor, kind: str) -> Tensor:
@@ -63,7 +67,7 @@ if triton is not None:
 
     @triton.jit
     def _bias_act_fwd_kernel(PRE, BIAS, H, M, N_OUT, stride_pre, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr):  # fmt: skip
+                             BLOCK_N: tl.constexpr):  # fmt: skip
         rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]  # (BLOCK_M, 1)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]  # (1, BLOCK_N)
         mask = (rows < M) & (cols < N_OUT)
@@ -78,8 +82,8 @@ if triton is not None:
         tl.store(H + rows * N_OUT + cols, h, mask=mask)
 
     @triton.jit
-    def _bias_act_bwd_kernel(DH, PRE, BIAS, DPRE, PART, M, N_OUT, stride_pre, SWIGLU: tl.constexpr, ROWS: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    def _bias_act_bwd_kernel(DH, PRE, BIAS, DPRE, PART, M, N_OUT, stride_pre, SWIGLU: tl.constexpr,
+                             ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
         # Program (run, column block) walks rows [run * ROWS, (run + 1) * ROWS), BLOCK_M at a time, adding up the
         # gradient of pre over them: one partial sum of the bias gradient per run.
         run = tl.program_id(0)

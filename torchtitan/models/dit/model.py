@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from torchtitan.models.dit.adaln_norm import modulated_norm
-from torchtitan.models.dit.mlp_activation import bias_activation, fused_mlp_applies
+from torchtitan.models.dit.mlp_activation import ACTIVATIONS, activation, bias_activation, fused_mlp_applies
 from torchtitan.models.dit.rope import apply_rope, build_rope_2d
 
 _compiled_flex_attention = None  # built on first use: torch.compile at import would cost every process seconds
@@ -90,7 +90,7 @@ class DiTArgs:
         for name, value, allowed in (
             ("pos_embed", self.pos_embed, POS_EMBEDS),
             ("norm", self.norm, ("layernorm", "rmsnorm")),
-            ("mlp", self.mlp, ("gelu", "swiglu")),
+            ("mlp", self.mlp, ACTIVATIONS),
         ):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
@@ -237,13 +237,7 @@ class FeedForward(nn.Module):
         if self.fused and fused_mlp_applies(x, self.fc1):
             # fc1 without its bias; the bias, the activation and (in backward) the bias gradient in one kernel
             return self.fc2(bias_activation(F.linear(x, self.fc1.weight), self.fc1.bias, self.kind))
-        h = self.fc1(x)
-        if self.kind == "swiglu":
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        else:
-            h = F.gelu(h, approximate="tanh")
-        return self.fc2(h)
+        return self.fc2(activation(self.fc1(x), self.kind))
 
 
 class DiTBlock(nn.Module):
