@@ -21,10 +21,11 @@ sys.path.insert(0, str(ROOT))
 
 
 def profile_steps(trainer, steps: int = 3) -> None:
-    """Prints the top CUDA kernels of a few warm steps and the memory one forward leaves for backward."""
+    """Prints the top CUDA kernels of a few warm steps, where the GPU waited between them, and the memory one
+    forward leaves for backward."""
     import torch
 
-    from torchtitan.components.profiling import kernel_summary
+    from torchtitan.components.profiling import idle_gaps, kernel_summary
 
     x, y = next(trainer.dataloader)
     x, y = x.to(trainer.device), y.to(trainer.device)
@@ -43,6 +44,7 @@ def profile_steps(trainer, steps: int = 3) -> None:
             trainer.train_step()
         torch.cuda.synchronize()
     print(kernel_summary(prof, steps, 1000 * (time.perf_counter() - start) / steps), flush=True)
+    print(idle_gaps(prof, steps), flush=True)
 
 
 def run_case(train_args: list[str], warmup: int, steps: int, profile: bool = False) -> dict:

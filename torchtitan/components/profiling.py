@@ -101,3 +101,26 @@ def kernel_summary(prof: torch.profiler.profile, steps: int, wall_ms: float, top
     for name, ms, calls in sorted(kernels, key=lambda k: -k[1])[:top]:
         lines.append(f"| {name[:110]} | {ms:.3f} | {calls:.0f} |")
     return "\n".join(lines)
+
+
+def idle_gaps(prof: torch.profiler.profile, steps: int, top: int = 10, min_us: float = 5.0) -> str:
+    """Where the GPU waited: the time per step between one kernel's end and the next one's start (copies and
+    memsets count as work), and the largest waits summed by the kernels on either side. A wait is the host not
+    launching fast enough, or a host sync; the profiler's own launch overhead lengthens them a little."""
+    work = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                  if e.device_type == torch.autograd.DeviceType.CUDA)  # fmt: skip
+    waits: dict[str, list[float]] = {}
+    total, last_end, last_name = 0.0, None, ""
+    for start, end, name in work:
+        if last_end is not None and start - last_end >= min_us:
+            total += start - last_end
+            entry = waits.setdefault(f"{last_name[:50]} -> {name[:50]}", [0.0, 0])
+            entry[0] += start - last_end
+            entry[1] += 1
+        if last_end is None or end >= last_end:
+            last_end, last_name = end, name
+    head = f"PROFILE GPU idle between kernels (waits of {min_us:g} us or more): {total / 1000 / steps:.2f} ms per step"
+    lines = [head, "| kernel before -> kernel after | idle ms/step | waits/step |", "|---|---|---|"]
+    for key, (us, count) in sorted(waits.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"| {key} | {us / 1000 / steps:.3f} | {count / steps:.1f} |")
+    return "\n".join(lines)
