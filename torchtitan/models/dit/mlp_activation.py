@@ -117,11 +117,14 @@ if triton is not None:
         if SWIGLU:
             tl.store(PART + run * n_in + N_OUT + cols, acc_up, mask=cols < N_OUT)
 
+    def _widths(pre: Tensor, swiglu: bool) -> tuple[int, int, int]:
+        """(columns of pre, columns of the activation, rows) of a (..., N) pre."""
+        n_in = pre.shape[-1]
+        return n_in, n_in // 2 if swiglu else n_in, pre.numel() // n_in
+
     @triton_op("torchditan::bias_act_fwd", mutates_args=())
     def _bias_act_fwd(pre: Tensor, bias: Tensor, swiglu: bool) -> Tensor:
-        n_in = pre.shape[-1]
-        n_out = n_in // 2 if swiglu else n_in
-        m = pre.numel() // n_in
+        n_in, n_out, m = _widths(pre, swiglu)
         h = pre.new_empty((*pre.shape[:-1], n_out))
         block_m, block_n = LAUNCH["block_m"], LAUNCH["block_n"]
         wrap_triton(_bias_act_fwd_kernel)[(triton.cdiv(m, block_m), triton.cdiv(n_out, block_n))](
@@ -132,9 +135,7 @@ if triton is not None:
     @triton_op("torchditan::bias_act_bwd", mutates_args=())
     def _bias_act_bwd(grad_h: Tensor, pre: Tensor, bias: Tensor, swiglu: bool) -> tuple[Tensor, Tensor]:
         """(grad of pre, grad of bias)."""
-        n_in = pre.shape[-1]
-        n_out = n_in // 2 if swiglu else n_in
-        m = pre.numel() // n_in
+        n_in, n_out, m = _widths(pre, swiglu)
         block_m, block_n, rows = LAUNCH["block_m"], LAUNCH["block_n"], LAUNCH["bwd_rows"]
         if rows % block_m:
             raise ValueError(f"mlp_activation.LAUNCH: bwd_rows {rows} is not a multiple of block_m {block_m}")
