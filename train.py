@@ -199,7 +199,8 @@ class Trainer:
         return sdpa_kernel(self.sdpa_backends, set_priority=True)
 
     def train_step(self) -> dict:
-        """One optimizer step over grad_accum_steps micro-batches; returns tensors for logging."""
+        """One optimizer step over grad_accum_steps micro-batches; returns tensors for logging (the gradient norm
+        only where the step is logged or clips by it, else None)."""
         step = self.step  # the step being taken, counted from 0
         loss_sum = torch.zeros((), device=self.device)
         for micro in range(self.grad_accum_steps):
@@ -221,11 +222,14 @@ class Trainer:
             losses = losses.detach().mean(1) if losses.dim() == 2 else losses.detach()  # augmult: mean of K
             loss_sum += (losses if mask is None else losses * mask).sum()
         params = [p for p in self.model.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        if self.job_config.training.max_norm > 0 and self.private is None:  # DP clips per sample instead
-            torch.nn.utils.clip_grads_with_norm_(params, self.job_config.training.max_norm, grad_norm, foreach=True)
+        max_norm = self.job_config.training.max_norm if self.private is None else 0.0  # DP clips per sample instead
+        grad_norm = None
+        if max_norm > 0 or self.logs_at(step + 1):  # one more pass over every gradient: only where it is used
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+            if hasattr(grad_norm, "full_tensor"):
+                grad_norm = grad_norm.full_tensor()
+        if max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, grad_norm, foreach=True)
         lr = self.lr_scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.breakdown.maybe_record("optimizer_step", step)
@@ -241,6 +245,10 @@ class Trainer:
         if self.private is not None:
             self.private.step_done()
         return {"loss_sum": loss_sum, "grad_norm": grad_norm, "lr": lr}
+
+    def logs_at(self, steps_done: int) -> bool:
+        """Whether the metrics are logged once `steps_done` steps are done (every log_freq steps, and the last)."""
+        return steps_done % self.job_config.metrics.log_freq == 0 or steps_done == self.job_config.training.steps
 
     def log(self, out: dict) -> None:
         loss_sum = out["loss_sum"].clone()
@@ -296,7 +304,7 @@ class Trainer:
             self.meter.steps += 1
             self.gc.run(self.step)
             last = self.step == cfg.training.steps
-            if self.step % cfg.metrics.log_freq == 0 or last:
+            if self.logs_at(self.step):
                 self.log(out)
             if cfg.sampling.freq > 0 and (self.step % cfg.sampling.freq == 0 or last):
                 self.save_samples()

@@ -34,6 +34,19 @@ def test_loss_falls_and_outputs_are_written(tmp_path):
     assert (out / "config.toml").is_file() and list((out / "tb").iterdir())
 
 
+def test_sparse_logging_changes_no_number(tmp_path):
+    # The gradient norm is computed only on logged steps (without clipping): logging every 3rd step must train
+    # the very same run, and its logged losses and norms equal the every-step run's, bitwise.
+    args = [*TINY, "--debug.deterministic", "true", "--training.steps", "7"]
+    run_train([*args, "--job.dump_folder", str(tmp_path / "every")])
+    run_train([*args, "--job.dump_folder", str(tmp_path / "sparse"), "--metrics.log_freq", "3"])
+    every = {m["step"]: m for m in read_metrics(tmp_path / "every")}
+    sparse = read_metrics(tmp_path / "sparse")
+    assert [m["step"] for m in sparse] == [3, 6, 7]
+    for m in sparse:
+        assert (m["loss"], m["grad_norm"]) == (every[m["step"]]["loss"], every[m["step"]]["grad_norm"]), m["step"]
+
+
 def test_killed_run_resumes_bitwise(tmp_path):
     reference = tmp_path / "reference"
     run_train([*RESUME, "--job.dump_folder", str(reference)])
