@@ -122,3 +122,15 @@ def test_help_lists_every_key():
         assert key in out
     assert "Gradient clipping norm" in out  # field docstrings are the help text
     assert "--training.local_batch_size INT|AUTO" in out
+
+
+@pytest.mark.parametrize("key", ["fused_norm", "fused_mlp", "fused_qkv"])
+def test_fused_kernel_overrides_reach_the_model(key):
+    from torchtitan.train_spec import build_model_args, get_train_spec
+
+    spec = get_train_spec("dit")
+    for value, expected in (("false", False), ("true", True)):
+        assert getattr(build_model_args(spec, parse_args([f"--model.{key}", value]).model), key) is expected
+    assert getattr(build_model_args(spec, parse_args([]).model), key) is True  # the flavor's default
+    with pytest.raises(ConfigError, match=f"model.{key}"):
+        parse_args([f"--model.{key}", "yes"])

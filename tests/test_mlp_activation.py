@@ -8,7 +8,6 @@ import dataclasses
 
 import pytest
 import torch
-from torch import nn
 
 from tests.conftest import needs_cuda_triton, needs_interpreter
 from torchtitan.dp.testing import rerun_under_triton_interpreter
@@ -78,29 +77,6 @@ def test_dit_with_the_kernels_matches_torch(mlp):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
-def test_the_module_path_stays_where_fc1_is_hooked_or_swapped(monkeypatch):
-    # The kernels call fc1's weight, not fc1: DP-SGD's per-sample hooks and float8's Linear need the module.
-    monkeypatch.setattr(ma, "triton_interpreting", lambda: True)  # as if CPU tensors could run the kernels
-    x, fc1 = torch.randn(2, 4, 8), nn.Linear(8, 16)
-    assert ma.fused_mlp_applies(x, fc1)
-    handle = fc1.register_forward_hook(lambda *args: None)
-    assert not ma.fused_mlp_applies(x, fc1)
-    handle.remove()
-    fc1.register_forward_pre_hook(lambda *args: None)
-    assert not ma.fused_mlp_applies(x, fc1)
-
-    class Swapped(nn.Linear):  # e.g. torchao's Float8Linear
-        pass
-
-    assert not ma.fused_mlp_applies(x, Swapped(8, 16))
-    assert not ma.fused_mlp_applies(x, nn.Linear(8, 16, bias=False))
-
-
-@pytest.mark.skipif(triton_interpreting(), reason="the interpreter runs CPU tensors through the kernels")
-def test_cpu_tensors_keep_the_module_path():
-    assert not ma.fused_mlp_applies(torch.randn(2, 4, 8), nn.Linear(8, 16))
-
-
 @needs_cuda_triton
 @pytest.mark.parametrize("kind", ["gelu", "swiglu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -139,16 +115,3 @@ def test_compiled_mlp_matches_module_path_on_cuda(mlp):
         results.append([out.float(), x.grad, *(p.grad for p in mlp_module.parameters())])
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a.float(), b.float(), rtol=3e-2, atol=3e-2 * b.abs().max().item())
-
-
-def test_fused_mlp_override_reaches_the_model():
-    from torchtitan.config_manager import ConfigError, parse_args
-    from torchtitan.train_spec import build_model_args, get_train_spec
-
-    spec = get_train_spec("dit")
-    for value, expected in (("false", False), ("true", True)):
-        config = parse_args(["--model.fused_mlp", value])
-        assert build_model_args(spec, config.model).fused_mlp is expected
-    assert build_model_args(spec, parse_args([]).model).fused_mlp is True  # the flavor's default
-    with pytest.raises(ConfigError, match="model.fused_mlp"):
-        parse_args(["--model.fused_mlp", "yes"])

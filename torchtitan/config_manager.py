@@ -105,6 +105,10 @@ class Model:
     """Override: 'true' | 'false': on CUDA, fc1's bias and the MLP activation (GELU or SwiGLU) run as one Triton
     kernel forward and one backward that also sums fc1's bias gradient (where fc1 is a plain, unhooked Linear:
     not under DP-SGD or float8); '' keeps the flavor's (true)."""
+    fused_qkv: str = ""
+    """Override: 'true' | 'false': on CUDA, the attention's qkv Linear assembles its output gradient from q, k and
+    v's and sums its bias gradient in one Triton kernel (where qkv is a plain, unhooked Linear: not under DP-SGD
+    or float8); '' keeps the flavor's (true)."""
     attn_window: int = -1
     """Override: windowed attention over the (2w+1) x (2w+1) token neighbourhood (FlexAttention);
     0 is global attention; -1 keeps the flavor's."""

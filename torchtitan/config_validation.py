@@ -52,6 +52,7 @@ def validate(cfg, source: str) -> None:
         "model.learn_sigma": ("", "true", "false"),
         "model.fused_norm": ("", "true", "false"),
         "model.fused_mlp": ("", "true", "false"),
+        "model.fused_qkv": ("", "true", "false"),
     }
     for key, allowed in choices.items():
         _choice(cfg, key, allowed, source)

@@ -51,7 +51,7 @@ def build_model_args(spec: TrainSpec, model_config) -> Any:
     for name in ("pos_embed", "norm", "mlp"):
         if getattr(model_config, name):
             setattr(args, name, getattr(model_config, name))
-    for name in ("qk_norm", "learn_sigma", "fused_norm", "fused_mlp"):
+    for name in ("qk_norm", "learn_sigma", "fused_norm", "fused_mlp", "fused_qkv"):
         if getattr(model_config, name):
             setattr(args, name, getattr(model_config, name) == "true")
     try:

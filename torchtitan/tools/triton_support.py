@@ -30,6 +30,20 @@ def triton_interpreting() -> bool:
     return _INTERPRETING
 
 
+def kernel_path_applies(x, linear) -> bool:
+    """Whether a model's fused kernel path may stand in for the module call `linear(x)`.
+
+    Triton must run for x (CUDA tensors, or CPU ones in the interpreter), and `linear` must be a plain nn.Linear
+    with a bias that nothing hooks: the kernel paths call its weight and bias, not the module, and DP-SGD's
+    per-sample hooks and float8's Linear (a subclass) need the module call.
+    """
+    from torch import nn
+
+    plain = (type(linear) is nn.Linear and linear.bias is not None and not linear._forward_hooks
+             and not linear._forward_pre_hooks)  # fmt: skip
+    return triton is not None and plain and (x.is_cuda or _INTERPRETING)
+
+
 def wrap_triton(kernel):
     """How a `torch.library.triton_op` launches `kernel`: through `torch.library.wrap_triton`, so torch.compile
     traces the launch; as it is in the interpreter, where torch 2.11's wrap_triton takes only compiled kernels."""

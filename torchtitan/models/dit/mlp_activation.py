@@ -11,28 +11,21 @@ bias, and
 is one kernel; its backward writes the gradient of pre and, in the same pass, sums of it over runs of rows
 (added in torch: deterministic, no atomics), the bias gradient.
 
-`fused_mlp_applies` says where the model takes this path: CUDA tensors and a plain nn.Linear fc1 that nothing
-hooks (the path calls fc1's weight, not the module: DP-SGD's per-sample hooks and float8's Linear keep the module).
-Tests run the kernels on CPU tensors in Triton's interpreter.
+`kernel_path_applies(x, fc1)` (triton_support) says where the model takes this path; tests run the kernels on CPU
+tensors in Triton's interpreter.
 """
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 from torch.library import triton_op
 
-from torchtitan.tools.triton_support import tl, triton, triton_interpreting, wrap_triton
+from torchtitan.tools.triton_support import tl, triton, wrap_triton
 
 ACTIVATIONS = ("gelu", "swiglu")
 # Launch settings: columns per program, rows per load, and rows a backward program walks (its bias partial sums
 # cover them; (B*T / BWD_ROWS, H) float32 partials).
 LAUNCH = {"block_n": 128, "block_m": 32, "bwd_rows": 256}
-
-
-def fused_mlp_applies(x: Tensor, fc1: nn.Module) -> bool:
-    """Whether the kernels can stand in for fc1's bias and the activation: see the module docstring."""
-    plain = type(fc1) is nn.Linear and fc1.bias is not None and not fc1._forward_hooks and not fc1._forward_pre_hooks
-    return triton is not None and plain and (x.is_cuda or triton_interpreting())
 
 
 def activation(h: Tensor, kind: str) -> Tensor:

@@ -12,8 +12,10 @@ from torch import nn
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from torchtitan.models.dit.adaln_norm import modulated_norm
-from torchtitan.models.dit.mlp_activation import ACTIVATIONS, activation, bias_activation, fused_mlp_applies
+from torchtitan.models.dit.mlp_activation import ACTIVATIONS, activation, bias_activation
+from torchtitan.models.dit.qkv_projection import qkv_linear
 from torchtitan.models.dit.rope import apply_rope, build_rope_2d
+from torchtitan.tools.triton_support import kernel_path_applies
 
 _compiled_flex_attention = None  # built on first use: torch.compile at import would cost every process seconds
 
@@ -56,6 +58,9 @@ class DiTArgs:
     multiple_of: int = 256  # SwiGLU hidden size rounding, as in Llama
     fused_norm: bool = True  # on CUDA, each adaLN norm (and the gated residual add before it) is one Triton kernel
     fused_mlp: bool = True  # on CUDA, fc1's bias and the MLP activation are one Triton kernel (mlp_activation.py)
+    fused_qkv: bool = (
+        True  # on CUDA, the qkv gradient's assembly and bias sum are one Triton kernel (qkv_projection.py)
+    )
 
     @property
     def out_channels(self) -> int:
@@ -197,7 +202,7 @@ class LabelEmbedder(nn.Module):
 class Attention(nn.Module):
     def __init__(self, args: DiTArgs):
         super().__init__()
-        self.num_heads = args.num_heads
+        self.num_heads, self.fused = args.num_heads, args.fused_qkv
         self.qkv = nn.Linear(args.dim, 3 * args.dim)
         self.proj = nn.Linear(args.dim, args.dim)
         if args.qk_norm:
@@ -208,7 +213,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None, block_mask=None) -> torch.Tensor:
         B, T, D = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.num_heads, D // self.num_heads).unbind(2)  # each (B, T, nh, hd)
+        if self.fused and kernel_path_applies(x, self.qkv):
+            q, k, v = qkv_linear(x, self.qkv.weight, self.qkv.bias, self.num_heads)  # each (B, T, nh, hd)
+        else:
+            q, k, v = self.qkv(x).view(B, T, 3, self.num_heads, D // self.num_heads).unbind(2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
@@ -234,7 +242,7 @@ class FeedForward(nn.Module):
         self.fc2 = nn.Linear(hidden, args.dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused and fused_mlp_applies(x, self.fc1):
+        if self.fused and kernel_path_applies(x, self.fc1):
             # fc1 without its bias; the bias, the activation and (in backward) the bias gradient in one kernel
             return self.fc2(bias_activation(F.linear(x, self.fc1.weight), self.fc1.bias, self.kind))
         return self.fc2(activation(self.fc1(x), self.kind))
