@@ -45,6 +45,7 @@ def test_kernels_match_torch(monkeypatch, kind, block_m, bwd_rows):
     # 3 x 37 rows leave a ragged last run and a ragged row block; 200 outputs a ragged column block of 128.
     # fp32 kernels against fp64 maths on the same inputs: rtol 1e-5, atol 1e-5 (the bias gradient sums 111 rows).
     monkeypatch.setitem(ma.LAUNCH, "block_m", block_m)
+    monkeypatch.setitem(ma.LAUNCH, "bwd_block_m", block_m)
     monkeypatch.setitem(ma.LAUNCH, "bwd_rows", bwd_rows)
     n_out = 200
     pre, bias, grad_h = _inputs(37, 2 * n_out if kind == "swiglu" else n_out, n_out, torch.float32)
