@@ -51,7 +51,7 @@ def _run(fn, x, branch, modulation, grads, residual, use_grad_x_new, kind):
     "residual,use_grad_x_new,save_output", [(False, False, False), (True, False, False), (True, True, False),
                                             (True, True, True)]
 )  # fmt: skip
-@pytest.mark.parametrize("rows,tile", [(16, 1), (8, 4)])
+@pytest.mark.parametrize("rows,tile", [(32, 2), (8, 4)])
 def test_kernels_match_torch(monkeypatch, kind, residual, use_grad_x_new, save_output, rows, tile):
     # T = 37 leaves a ragged last run of tokens (and a ragged tile); D = 48 a masked row (block of 64). save_output:
     # backward reads the kept x' instead of recomputing it from x.
@@ -143,7 +143,7 @@ def test_cpu_tensors_take_the_torch_path(monkeypatch):
 @needs_cuda_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
-@pytest.mark.parametrize("rows,tile", [(16, 1), (16, 4)])
+@pytest.mark.parametrize("rows,tile", [(32, 2), (16, 1), (16, 4)])
 def test_compiled_kernels_on_cuda(monkeypatch, dtype, kind, rows, tile):
     # DiT-XL/2's width and a ragged token count; fp64 maths on the same inputs as the reference.
     monkeypatch.setitem(an.LAUNCH, "bwd_rows", rows)

@@ -27,10 +27,10 @@ from torchtitan.tools.triton_support import tl, triton, wrap_triton
 MAX_FUSED_DIM = 8192
 # Launch settings, read when a kernel is launched (or traced): warps per program of each kernel (0: by row width),
 # the tokens of one sample a backward program walks (its shift/scale/gate partial sums cover them), and how many
-# of those rows it loads at once. scripts/benchmark_adaln_norm.py compares settings; on an H100 at DiT-XL/2's
-# (128, 256, 1152), 4 warps with 16 or 32 rows, one at a time, were the fastest measured, within the benchmark's
-# spread of each other (docs/benchmarks.md, 2026-11-24).
-LAUNCH = {"fwd_warps": 0, "bwd_warps": 0, "bwd_rows": 16, "bwd_tile": 1}
+# of those rows it loads at once. scripts/benchmark_adaln_norm.py compares settings; on an H100, 32 rows two at a
+# time were the fastest measured: the backward 11% faster than 16 rows one at a time at DiT-XL/2's (128, 256, 1152),
+# 9% at the 0.5B's (32, 1024, 1280) (docs/benchmarks.md, 2026-11-24 evening).
+LAUNCH = {"fwd_warps": 0, "bwd_warps": 0, "bwd_rows": 32, "bwd_tile": 2}
 
 
 def modulated_norm_torch(x, shift, scale, branch, gate, kind: str, eps: float):
