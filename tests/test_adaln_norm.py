@@ -12,7 +12,7 @@ from torchtitan.dp.testing import rerun_under_triton_interpreter
 from torchtitan.models.dit import DiT, dit_configs
 from torchtitan.models.dit import adaln_norm as an
 from torchtitan.models.dit import model as dit_model
-from torchtitan.parallelisms.utils import apply_ac
+from torchtitan.models.dit.parallelize import apply_dit_ac
 from torchtitan.tools.triton_support import triton_interpreting
 
 pytestmark = pytest.mark.skipif(an.triton is None, reason="triton is not installed")
@@ -107,7 +107,7 @@ def test_dit_with_the_kernels_matches_torch(monkeypatch, kind, ac):  # fmt: skip
         model.final_layer.adaLN_modulation[-1].weight.normal_(std=0.05)
         model.final_layer.linear.weight.normal_(std=0.05)
     if ac != "none":
-        apply_ac(model.blocks, "full" if ac == "full" else "selective", ac)
+        apply_dit_ac(model, "full" if ac == "full" else "selective", ac)
     x, t, y = torch.randn(3, 1, 16, 16), torch.tensor([1, 500, 999]), torch.tensor([0, 3, 10])
 
     def grads():

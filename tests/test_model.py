@@ -66,7 +66,7 @@ def test_adaln_zero_blocks_are_identity_at_init():
 def test_residual_handed_apart_or_summed_is_the_same_model(every_k):
     # Blocks hand the residual stream on apart (the next norm adds it) except before a checkpointed block, which
     # gets it summed: the same operations in the same order, so the same outputs and gradients to the bit.
-    from torchtitan.parallelisms.utils import apply_ac
+    from torchtitan.models.dit.parallelize import apply_dit_ac
 
     args = tiny(depth=4)
     torch.manual_seed(0)
@@ -77,7 +77,7 @@ def test_residual_handed_apart_or_summed_is_the_same_model(every_k):
     results = []
     for checkpointed in (False, True):
         if checkpointed:
-            apply_ac(model.blocks, "selective", every_k)
+            apply_dit_ac(model, "selective", every_k)
             # Every k-th block is checkpointed; it and the block before it finish their residual.
             k = int(every_k)
             assert [b.finish_residual for b in model.blocks.values()] == [

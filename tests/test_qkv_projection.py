@@ -103,7 +103,7 @@ def test_dit_with_the_kernel_matches_torch():
 def test_the_kernel_path_under_activation_checkpointing(mode, option):
     # Checkpointed blocks rerun the autograd function in backward (full) or replay its saved GEMM (per-op policy):
     # the same gradients as without checkpointing, fp32, rtol 1e-5 and atol 1e-6.
-    from torchtitan.parallelisms.utils import apply_ac
+    from torchtitan.models.dit.parallelize import apply_dit_ac
 
     results = []
     for checkpointed in (False, True):
@@ -114,7 +114,7 @@ def test_the_kernel_path_under_activation_checkpointing(mode, option):
             for p in model.parameters():
                 p.add_(0.05 * torch.randn_like(p))
         if checkpointed:
-            apply_ac(model.blocks, mode, option)
+            apply_dit_ac(model, mode, option)
         x, t, y = torch.randn(3, 1, 16, 16), torch.tensor([1.0, 500.0, 999.0]), torch.tensor([0, 3, 10])
         out = model(x, t, y)
         assert _graph_has(out, "_QKVLinearBackward") or checkpointed  # checkpointed: hidden in the wrapper's node
@@ -178,7 +178,8 @@ def test_compiled_checkpointed_dit_matches_module_path_on_cuda(mode, option):
     # As the trainer builds it: activation checkpointing, then per-block torch.compile(fullgraph=True), bf16 autocast.
     # The autograd function traces inside the checkpointed, compiled blocks; output and gradients match the module
     # path's within bf16 tolerance.
-    from torchtitan.parallelisms.utils import apply_ac, apply_compile
+    from torchtitan.models.dit.parallelize import apply_dit_ac
+    from torchtitan.parallelisms.utils import apply_compile
 
     results = []
     for fused in (False, True):
@@ -189,7 +190,7 @@ def test_compiled_checkpointed_dit_matches_module_path_on_cuda(mode, option):
             for p in model.parameters():
                 p.add_(0.02 * torch.randn_like(p))
         if mode != "none":
-            apply_ac(model.blocks, mode, option)
+            apply_dit_ac(model, mode, option)
         apply_compile(model, "default", "block")
         g = torch.Generator(device="cuda").manual_seed(1)
         x = torch.randn(8, 4, 32, 32, device="cuda", generator=g)

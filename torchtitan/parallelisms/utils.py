@@ -38,27 +38,22 @@ def _selective_op_context():
     return create_selective_checkpoint_contexts(_op_policy)
 
 
-def apply_ac(blocks: nn.ModuleDict, mode: str, selective_option: str) -> None:
+def apply_ac(blocks: nn.ModuleDict, mode: str, selective_option: str) -> list[int]:
     """Wraps blocks in activation checkpointing: all ('full'), per-op policy ('selective', 'op'),
-    or every k-th block ('selective', k)."""
+    or every k-th block ('selective', k). Returns the indices of the wrapped blocks."""
     every_k = int(selective_option) if mode == "selective" and selective_option != "op" else 1
-    wrapped = 0
-    items = list(blocks.items())
-    for index, (name, block) in enumerate(items):
+    wrapped = []
+    for index, (name, block) in enumerate(list(blocks.items())):
         if index % every_k != 0:
             continue
-        # A checkpointed block keeps its inputs, and would keep nothing of its own outputs: it gets the residual
-        # stream summed (one tensor) from the block before it, and sums its own, instead of passing them apart.
-        for _, neighbour in items[max(0, index - 1) : index + 1]:
-            if hasattr(neighbour, "finish_residual"):
-                neighbour.finish_residual = True
         if mode == "selective" and selective_option == "op":
             blocks[name] = checkpoint_wrapper(block, context_fn=_selective_op_context, preserve_rng_state=False)
         else:
             blocks[name] = checkpoint_wrapper(block, preserve_rng_state=False)
-        wrapped += 1
+        wrapped.append(index)
     logger.info(f"activation checkpointing: {mode} ({selective_option if mode == 'selective' else 'all'}), "
-                f"{wrapped}/{len(blocks)} blocks")  # fmt: skip
+                f"{len(wrapped)}/{len(blocks)} blocks")  # fmt: skip
+    return wrapped
 
 
 def apply_compile(model: nn.Module, mode: str = "default", scope: str = "block") -> None:

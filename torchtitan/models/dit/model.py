@@ -254,8 +254,8 @@ class DiTBlock(nn.Module):
     The residual stream is handed from block to block apart: a block takes (x, branch, gate), the previous
     block's stream before its MLP branch is added, and returns its own, so each gated residual add happens in the
     norm after it, inside that norm's kernel (adaln_norm.py): x_out = x + gate * branch is never a pass of its own.
-    With `finish_residual` set, the block adds its MLP branch itself and returns (x_out, None, None): apply_ac sets
-    it on each checkpointed block and the block before it, since a checkpointed block keeps its inputs for
+    With `finish_residual` set, the block adds its MLP branch itself and returns (x_out, None, None): apply_dit_ac
+    sets it on each checkpointed block and the block before it, since a checkpointed block keeps its inputs for
     backward (one tensor is cheaper to keep than two) and its MLP output would be kept by the next norm.
     """
 

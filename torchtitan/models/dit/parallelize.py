@@ -19,6 +19,19 @@ from torchtitan.parallelisms.utils import (
 from torchtitan.tools.logging import logger
 
 
+def apply_dit_ac(model: nn.Module, mode: str, selective_option: str) -> None:
+    """apply_ac on the DiT's blocks; each checkpointed block, and the block before it, then finish their residual.
+
+    A checkpointed block keeps its inputs for backward and would keep nothing of its own outputs: it gets the
+    residual stream summed (one tensor) from the block before it, and sums its own, instead of handing them on
+    apart (see DiTBlock).
+    """
+    blocks = list(model.blocks.values())  # the plain blocks, before apply_ac wraps some of them
+    for index in apply_ac(model.blocks, mode, selective_option):
+        for block in blocks[max(0, index - 1) : index + 1]:
+            block.finish_residual = True
+
+
 def parallelize_dit(model: nn.Module, parallel_dims: ParallelDims, job_config) -> nn.Module:
     """Applies the config's training optimizations and data parallelism to a DiT in place."""
     if job_config.quantize.linear.float8.enable:
@@ -27,7 +40,7 @@ def parallelize_dit(model: nn.Module, parallel_dims: ParallelDims, job_config) -
         )
     ac = job_config.activation_checkpoint
     if ac.mode != "none":
-        apply_ac(model.blocks, ac.mode, ac.selective_ac_option)
+        apply_dit_ac(model, ac.mode, ac.selective_ac_option)
     compile_config = job_config.compile
     if compile_config.enable and "model" in compile_config.components:
         if compile_config.scope == "model" and parallel_dims.mode != "single":
