@@ -66,3 +66,36 @@ TINY = [
 @pytest.fixture
 def tiny_args():
     return list(TINY)
+
+
+def debug_dit_outputs_and_grads(prepare=None, **overrides) -> dict[str, torch.Tensor]:
+    """The debug DiT (seeded, every parameter nudged off its init: adaLN-Zero starts every gate at 0) on three fixed
+    samples: {"output": the output, with its autograd graph, name: gradient of a weighted sum of it}.
+
+    `prepare(model)` runs before the forward (e.g. activation checkpointing); gradient names leave out the
+    checkpoint wrapper's prefix, so they match a plain model's.
+    """
+    import dataclasses
+
+    from torchtitan.models.dit import DiT, dit_configs
+
+    torch.manual_seed(0)
+    model = DiT(dataclasses.replace(dit_configs["debug"], **overrides))
+    model.init_weights()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    if prepare is not None:
+        prepare(model)
+    x, t, y = torch.randn(3, 1, 16, 16), torch.tensor([1.0, 500.0, 999.0]), torch.tensor([0, 3, 10])
+    out = model(x, t, y)
+    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in model.named_parameters()}
+    return {"output": out, **grads}
+
+
+def assert_close_by_name(got: dict, expected: dict, rtol: float, atol: float) -> None:
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name].detach(), value.detach(), rtol=rtol, atol=atol,
+                                   msg=lambda m, name=name: f"{name}: {m}")  # fmt: skip

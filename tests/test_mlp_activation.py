@@ -9,9 +9,9 @@ import dataclasses
 import pytest
 import torch
 
-from tests.conftest import needs_cuda_triton, needs_interpreter
+from tests.conftest import assert_close_by_name, debug_dit_outputs_and_grads, needs_cuda_triton, needs_interpreter
 from torchtitan.dp.testing import rerun_under_triton_interpreter
-from torchtitan.models.dit import DiT, dit_configs
+from torchtitan.models.dit import dit_configs
 from torchtitan.models.dit import mlp_activation as ma
 from torchtitan.tools.triton_support import triton_interpreting
 
@@ -60,22 +60,8 @@ def test_kernels_match_torch(monkeypatch, kind, block_m, bwd_rows):
 def test_dit_with_the_kernels_matches_torch(mlp):
     # The debug DiT with and without the kernels (the interpreter runs them on CPU tensors): the same outputs and
     # parameter gradients, fp32, rtol 1e-4 and atol 1e-5 (fc1's bias added outside the GEMM, sums in another order).
-    results = []
-    for fused in (False, True):
-        args = dataclasses.replace(dit_configs["debug"], mlp=mlp, fused_mlp=fused)
-        torch.manual_seed(0)
-        model = DiT(args)
-        model.init_weights()
-        with torch.no_grad():  # adaLN-Zero starts every gate at 0: make them count
-            for p in model.parameters():
-                p.add_(0.05 * torch.randn_like(p))
-        x, t, y = torch.randn(3, 1, 16, 16), torch.tensor([1.0, 500.0, 999.0]), torch.tensor([0, 3, 10])
-        out = model(x, t, y)
-        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
-        results.append([out.detach(), *(p.grad for p in model.parameters())])
-    names = ["output", *(n for n, _ in model.named_parameters())]
-    for name, a, b in zip(names, *results, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+    unfused, fused = (debug_dit_outputs_and_grads(mlp=mlp, fused_mlp=fused) for fused in (False, True))
+    assert_close_by_name(fused, unfused, rtol=1e-4, atol=1e-5)
 
 
 @needs_cuda_triton

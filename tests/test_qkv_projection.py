@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from tests.conftest import needs_cuda_triton, needs_interpreter
+from tests.conftest import assert_close_by_name, debug_dit_outputs_and_grads, needs_cuda_triton, needs_interpreter
 from torchtitan.dp.testing import rerun_under_triton_interpreter
 from torchtitan.models.dit import DiT, dit_configs
 from torchtitan.models.dit import qkv_projection as qp
@@ -79,23 +79,11 @@ def test_autocast_runs_the_gemms_in_bf16_and_returns_fp32_gradients():
 def test_dit_with_the_kernel_matches_torch():
     # The debug DiT with and without the kernel (the interpreter runs it on CPU tensors): the same outputs and
     # parameter gradients, fp32, rtol 1e-4 and atol 1e-5 (the bias gradient summed in another order).
-    results = []
-    for fused in (False, True):
-        args = dataclasses.replace(dit_configs["debug"], fused_qkv=fused, fused_mlp=False, fused_norm=False)
-        torch.manual_seed(0)
-        model = DiT(args)
-        model.init_weights()
-        with torch.no_grad():  # adaLN-Zero starts every gate at 0: make them count
-            for p in model.parameters():
-                p.add_(0.05 * torch.randn_like(p))
-        x, t, y = torch.randn(3, 1, 16, 16), torch.tensor([1.0, 500.0, 999.0]), torch.tensor([0, 3, 10])
-        out = model(x, t, y)
-        assert _graph_has(out, "_QKVLinearBackward") is fused
-        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
-        results.append([out.detach(), *(p.grad for p in model.parameters())])
-    names = ["output", *(n for n, _ in model.named_parameters())]
-    for name, a, b in zip(names, *results, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+    unfused, fused = (debug_dit_outputs_and_grads(fused_qkv=fused, fused_mlp=False, fused_norm=False)
+                      for fused in (False, True))  # fmt: skip
+    assert not _graph_has(unfused["output"], "_QKVLinearBackward")
+    assert _graph_has(fused["output"], "_QKVLinearBackward")
+    assert_close_by_name(fused, unfused, rtol=1e-4, atol=1e-5)
 
 
 @needs_interpreter
@@ -105,23 +93,11 @@ def test_the_kernel_path_under_activation_checkpointing(mode, option):
     # the same gradients as without checkpointing, fp32, rtol 1e-5 and atol 1e-6.
     from torchtitan.models.dit.parallelize import apply_dit_ac
 
-    results = []
-    for checkpointed in (False, True):
-        torch.manual_seed(0)
-        model = DiT(dataclasses.replace(dit_configs["debug"], fused_qkv=True, fused_mlp=False, fused_norm=False))
-        model.init_weights()
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(0.05 * torch.randn_like(p))
-        if checkpointed:
-            apply_dit_ac(model, mode, option)
-        x, t, y = torch.randn(3, 1, 16, 16), torch.tensor([1.0, 500.0, 999.0]), torch.tensor([0, 3, 10])
-        out = model(x, t, y)
-        assert _graph_has(out, "_QKVLinearBackward") or checkpointed  # checkpointed: hidden in the wrapper's node
-        out.square().sum().backward()
-        results.append({n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in model.named_parameters()})
-    for name, grad in results[0].items():
-        torch.testing.assert_close(results[1][name], grad, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    plain = debug_dit_outputs_and_grads(fused_qkv=True, fused_mlp=False, fused_norm=False)
+    assert _graph_has(plain["output"], "_QKVLinearBackward")
+    checkpointed = debug_dit_outputs_and_grads(lambda model: apply_dit_ac(model, mode, option), fused_qkv=True,
+                                               fused_mlp=False, fused_norm=False)  # fmt: skip
+    assert_close_by_name(checkpointed, plain, rtol=1e-5, atol=1e-6)
 
 
 def _graph_has(out: torch.Tensor, name: str) -> bool:
