@@ -221,15 +221,15 @@ class Trainer:
             self.breakdown.maybe_record("backward", step)
             losses = losses.detach().mean(1) if losses.dim() == 2 else losses.detach()  # augmult: mean of K
             loss_sum += (losses if mask is None else losses * mask).sum()
-        params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.job_config.training.max_norm if self.private is None else 0.0  # DP clips per sample instead
         grad_norm = None
         if max_norm > 0 or self.logs_at(step + 1):  # one more pass over every gradient: only where it is used
+            params = [p for p in self.model.parameters() if p.grad is not None]
             grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
             if hasattr(grad_norm, "full_tensor"):
                 grad_norm = grad_norm.full_tensor()
-        if max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, grad_norm, foreach=True)
+            if max_norm > 0:
+                torch.nn.utils.clip_grads_with_norm_(params, max_norm, grad_norm, foreach=True)
         lr = self.lr_scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.breakdown.maybe_record("optimizer_step", step)

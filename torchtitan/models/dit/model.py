@@ -58,9 +58,7 @@ class DiTArgs:
     multiple_of: int = 256  # SwiGLU hidden size rounding, as in Llama
     fused_norm: bool = True  # on CUDA, each adaLN norm (and the gated residual add before it) is one Triton kernel
     fused_mlp: bool = True  # on CUDA, fc1's bias and the MLP activation are one Triton kernel (mlp_activation.py)
-    fused_qkv: bool = (
-        True  # on CUDA, the qkv gradient's assembly and bias sum are one Triton kernel (qkv_projection.py)
-    )
+    fused_qkv: bool = True  # on CUDA, qkv's gradient assembly and bias sum are one Triton kernel (qkv_projection.py)
 
     @property
     def out_channels(self) -> int:
