@@ -103,18 +103,20 @@ def fake_world():
         dist.destroy_process_group()
 
 
-def _shard(model, mesh) -> None:
+def _shard(model, mesh, reshard_after_forward: str = "default") -> None:
     from torchtitan.parallelisms.utils import apply_fsdp
 
-    apply_fsdp(model, list(model.blocks.values()), mesh, torch.float32, torch.float32, "default")
+    apply_fsdp(model, list(model.blocks.values()), mesh, torch.float32, torch.float32, reshard_after_forward)
 
 
-def test_fsdp_shards_match_fully_shard(fake_world):
-    """Debug model materialized on rank 3 of 4: padded parameters and gradients, unpadded AdamW and EMA."""
+@pytest.mark.parametrize("reshard_after_forward", ["default", "never", "always"])
+def test_fsdp_shards_match_fully_shard(fake_world, reshard_after_forward):
+    """Debug model materialized on rank 3 of 4: padded parameters and gradients, unpadded AdamW and EMA, and the
+    gathered parameters that `fsdp_reshard_after_forward` keeps from forward to backward."""
     args = dit_configs["debug"]
     with torch.device("meta"):
         model = DiT(args)
-    _shard(model, fake_world)
+    _shard(model, fake_world, reshard_after_forward)
     model.to_empty(device="cpu")
     model.init_weights()
     optimizer = torch.optim.AdamW(model.parameters(), foreach=True)
@@ -126,11 +128,11 @@ def test_fsdp_shards_match_fully_shard(fake_world):
     after_forward = breakdown.record("forward")
     loss.backward()
     optimizer.step()
-    estimate = estimate_memory(args, 8, "fp32", dp_shard=4, rank=3)
+    estimate = estimate_memory(args, 8, "fp32", dp_shard=4, rank=3, reshard_after_forward=reshard_after_forward)
     counted = _count(model, optimizer, ema)
     assert counted == {k: estimate.parts[k] for k in counted}
-    # The root and the last block stay gathered from forward to backward (reshard_after_forward "default").
     assert after_forward["fsdp_gathered"] == estimate.parts["fsdp_gathered"]
+    assert (after_forward["fsdp_gathered"] > 0) == (reshard_after_forward != "always")
     assert after_forward["parameters"] == estimate.parts["parameters"]  # the shards, not the gathered copies
     padded = sum(math.prod(p.to_local().shape[1:]) * -(-p.shape[0] // 4) for p in model.parameters())
     assert estimate.parts["parameters"] == 4 * padded > 4 * sum(p.to_local().numel() for p in model.parameters())
@@ -217,3 +219,15 @@ def test_cli_prints_the_derivation(capsys):
     main(["--flavor", "DiT-XL/2", "--batch", "64", "--compile", "--pos-embed", "sincos"])
     out = capsys.readouterr().out
     assert "18.06 residual-stream tensors" in out and "after QK-norm / RoPE" not in out
+
+
+def test_job_config_estimate_follows_fsdp_reshard_after_forward():
+    """`fsdp_reshard_after_forward = "never"` keeps every block's gathered parameters: the 7B flavor on 2 H200s
+    peaked 12.3 GiB higher with it at 16 images a GPU (docs/benchmarks.md, 2026-11-24, night)."""
+    base = ["--job.config_file", str(ROOT / "train_configs/dit_7B_latent.toml"), "--training.local_batch_size", "16"]
+    parts = {
+        mode: estimate_from_job_config(parse_args([*base, "--parallelism.fsdp_reshard_after_forward", mode]), 2).parts
+        for mode in ("default", "never")
+    }
+    extra = (parts["never"]["fsdp_gathered"] - parts["default"]["fsdp_gathered"]) / 2**30
+    assert extra == pytest.approx(12.3, rel=0.1)  # 23 more blocks' bf16 parameters: 13.0 GiB

@@ -277,7 +277,8 @@ def _activation_parts(args: DiTArgs, batch: int, precision: str, ac_mode: str, a
 
 def estimate_memory(args: DiTArgs, batch: int, precision: str = "bf16_autocast", ac_mode: str = "none",
                     ac_option: str = "op", compiled: bool = False, dp_shard: int = 1, dp_replicate: int = 1,
-                    rank: int = 0, ema: bool = True) -> MemoryEstimate:  # fmt: skip
+                    rank: int = 0, ema: bool = True,
+                    reshard_after_forward: str = "default") -> MemoryEstimate:  # fmt: skip
     """Memory of one rank training DiT(args) with AdamW.
 
     Args:
@@ -289,6 +290,9 @@ def estimate_memory(args: DiTArgs, batch: int, precision: str = "bf16_autocast",
         dp_shard: FSDP degree (sharding); dp_replicate: DDP / HSDP replicas (DDP adds gradient buckets).
         rank: the shard rank to report (rank 0 holds the largest shards).
         ema: whether an fp32 EMA of the weights is kept.
+        reshard_after_forward: FSDP's `parallelism.fsdp_reshard_after_forward`: which gathered parameters stay
+            from forward to backward ("default": the root and the last block; "never": the root and every
+            block; "always": none).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
@@ -306,11 +310,15 @@ def estimate_memory(args: DiTArgs, batch: int, precision: str = "bf16_autocast",
         block = sum(v for n, v in gathered.items() if n.startswith("blocks.0."))
         root = sum(v for n, v in gathered.items() if not n.startswith("blocks."))
         compute = 4 if precision == "fp32" else 2
-        est.parts["fsdp_gathered"] = (root + block) * compute  # root and last block stay gathered for backward
+        # Which modules keep their gathered parameters from forward to backward (see apply_fsdp).
+        blocks_kept = {"default": 1, "never": args.depth, "always": 0}[reshard_after_forward]
+        root_kept = 0 if reshard_after_forward == "always" else root
+        kept = f"the root and {blocks_kept} of {args.depth} blocks" if root_kept else "nothing"
+        est.parts["fsdp_gathered"] = (root_kept + blocks_kept * block) * compute
         transient = 2 * block * compute + 2 * block * 4  # gathered block + prefetch; unsharded grad + RS buffer
         est.parts["backward_working"] += transient
-        est.lines.append(f"FSDP: root + last block stay gathered ({_fmt(est.parts['fsdp_gathered'])}); "
-                         f"per block in flight: {_fmt(transient)}")  # fmt: skip
+        est.lines.append(f"FSDP (reshard_after_forward {reshard_after_forward!r}): {kept} stay gathered "
+                         f"({_fmt(est.parts['fsdp_gathered'])}); per block in flight: {_fmt(transient)}")  # fmt: skip
     p = est.parts
     static = p["parameters"] + p["optimizer_states"] + p.get("ema", 0) + p["buffers"] + p.get("ddp_buckets", 0)
     held = p["activations"] + p.get("autocast_weight_copies", 0) + p.get("fsdp_gathered", 0)
@@ -337,7 +345,8 @@ def estimate_from_job_config(cfg, world_size: int = 1, device_type: str = "cuda"
     ac = cfg.activation_checkpoint
     compiled = cfg.compile.enable and "model" in cfg.compile.components
     return estimate_memory(args, cfg.training.local_batch_size, precision, ac.mode, ac.selective_ac_option, compiled,
-                           dims.dp_shard, dims.dp_replicate, rank, cfg.training.ema_decay > 0)  # fmt: skip
+                           dims.dp_shard, dims.dp_replicate, rank, cfg.training.ema_decay > 0,
+                           p.fsdp_reshard_after_forward)  # fmt: skip
 
 
 def max_batch_that_fits(budget_bytes: int, estimate_fn, limit: int = 1 << 16) -> int:
@@ -368,6 +377,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--replicate", type=int, default=1, help="DDP / HSDP replicas")
     parser.add_argument("--rank", type=int, default=0, help="shard rank to report")
     parser.add_argument("--no-ema", action="store_true")
+    parser.add_argument("--reshard-after-forward", default="default", choices=("default", "never", "always"),
+                        help="FSDP: which gathered parameters stay from forward to backward")  # fmt: skip
     for name in ("input_size", "in_channels", "patch_size", "num_classes"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help="flavor override")
     parser.add_argument("--pos-embed", default=None, choices=POS_EMBEDS, help="flavor override")
@@ -381,7 +392,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def estimate(batch: int) -> MemoryEstimate:
         return estimate_memory(args, batch, a.precision, a.ac, a.ac_option, a.compile, a.shard, a.replicate,
-                               a.rank, not a.no_ema)  # fmt: skip
+                               a.rank, not a.no_ema, a.reshard_after_forward)  # fmt: skip
 
     print(estimate(a.batch).report())
     if a.device_memory_gib > 0:
