@@ -102,3 +102,47 @@ def test_compiled_mlp_matches_module_path_on_cuda(mlp):
         results.append([out.float(), x.grad, *(p.grad for p in mlp_module.parameters())])
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a.float(), b.float(), rtol=3e-2, atol=3e-2 * b.abs().max().item())
+
+
+def test_selective_checkpointing_keeps_the_linear_gelu_gemm():
+    # Per-op selective checkpointing saves matmul outputs; fc1's GEMM with its GELU (a custom op) is one of them, so
+    # backward does not run it again.
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from torchtitan.parallelisms.utils import _op_policy
+
+    assert _op_policy(None, torch.ops.torchditan.linear_gelu.default) == CheckpointPolicy.MUST_SAVE
+    assert _op_policy(None, torch.ops.torchditan.bias_act_fwd.default) == CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@needs_cuda_triton
+@pytest.mark.parametrize("fallback", [False, True])
+@pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16])
+def test_linear_gelu_on_cuda(monkeypatch, bias_dtype, fallback):
+    # fc1 + GELU as one cuBLASLt GEMM at DiT-XL/2's width, bf16 operands, against fp64 maths on the same inputs:
+    # within a few bf16 ulps of each output's scale (h, pre and the GEMMs' results are stored in bf16). The bias
+    # gradient comes back in the bias's dtype (fp32 for the fp32 parameters under autocast). `fallback`: as where
+    # cuBLASLt has no algorithm, the GEMM and GELU in torch.
+    from torchtitan.tools import cublaslt
+
+    def unavailable():
+        raise cublaslt._Unavailable("no cuBLASLt in this test")
+
+    if fallback:
+        monkeypatch.setattr(cublaslt, "_library", unavailable)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(2, 256, 1152, device="cuda", generator=g).bfloat16().requires_grad_()
+    weight = (0.03 * torch.randn(4608, 1152, device="cuda", generator=g)).bfloat16().requires_grad_()
+    bias = (0.5 * torch.randn(4608, device="cuda", generator=g)).to(bias_dtype).requires_grad_()
+    grad_h = torch.randn(2, 256, 4608, device="cuda", generator=g).bfloat16()
+    assert ma.linear_gelu_applies(x, "gelu") and not ma.linear_gelu_applies(x.float(), "gelu")
+    h = ma.linear_gelu(x, weight, bias)
+    got = [h, *torch.autograd.grad(h, (x, weight, bias), grad_h)]
+    assert got[3].dtype == bias_dtype
+    leaves = [t.detach().double().requires_grad_() for t in (x, weight, bias)]
+    ref_h = torch.nn.functional.gelu(leaves[0] @ leaves[1].T + leaves[2], approximate="tanh")
+    ref = [ref_h, *torch.autograd.grad(ref_h, leaves, grad_h.double())]
+    for name, a, b in zip(("h", "x", "weight", "bias"), got, ref, strict=True):
+        torch.testing.assert_close(
+            a.double(), b, rtol=2e-2, atol=2e-2 * b.abs().max().item(), msg=lambda m, name=name: f"{name}: {m}"
+        )

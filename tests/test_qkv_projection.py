@@ -149,18 +149,19 @@ def test_compiled_attention_matches_module_path_on_cuda():
 
 
 @needs_cuda_triton
+@pytest.mark.parametrize("flag", ["fused_qkv", "fused_mlp"])
 @pytest.mark.parametrize("mode,option", [("none", "op"), ("full", "op"), ("selective", "op")])
-def test_compiled_checkpointed_dit_matches_module_path_on_cuda(mode, option):
+def test_compiled_checkpointed_dit_matches_module_path_on_cuda(mode, option, flag):
     # As the trainer builds it: activation checkpointing, then per-block torch.compile(fullgraph=True), bf16 autocast.
-    # The autograd function traces inside the checkpointed, compiled blocks; output and gradients match the module
-    # path's within bf16 tolerance.
+    # The qkv autograd function (fused_qkv), and the MLP's cuBLASLt GEMM with its Triton backward (fused_mlp), trace
+    # inside the checkpointed, compiled blocks; output and gradients match the module path's within bf16 tolerance.
     from torchtitan.models.dit.parallelize import apply_dit_ac
     from torchtitan.parallelisms.utils import apply_compile
 
     results = []
     for fused in (False, True):
         torch.manual_seed(0)
-        model = DiT(dataclasses.replace(dit_configs["DiT-S/2"], depth=4, fused_qkv=fused)).cuda()
+        model = DiT(dataclasses.replace(dit_configs["DiT-S/2"], depth=4, **{flag: fused})).cuda()
         model.init_weights()
         with torch.no_grad():
             for p in model.parameters():

@@ -24,6 +24,8 @@ _SAVE_LIST = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.aten._scaled_mm.default,
 }
+# Custom ops that hold a GEMM, by name (they register when their model module is imported): fc1 + GELU.
+_SAVE_CUSTOM = {"torchditan::linear_gelu"}
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -31,7 +33,8 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def _op_policy(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in _SAVE_LIST else CheckpointPolicy.PREFER_RECOMPUTE
+    saved = op in _SAVE_LIST or op.name() in _SAVE_CUSTOM
+    return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _selective_op_context():

@@ -13,6 +13,10 @@ is one kernel; its backward writes the gradient of pre and, in the same pass, su
 
 `kernel_path_applies(x, fc1)` (triton_support) says where the model takes this path; tests run the kernels on CPU
 tensors in Triton's interpreter.
+
+On CUDA in bf16 or fp16, GELU goes one step further (`linear_gelu`): fc1's GEMM adds the bias and applies GELU in
+its epilogue (cuBLASLt, torchtitan/tools/cublaslt.py), writing pre + bias beside h for backward, whose activation
+gradient and bias sum are the kernel above.
 """
 
 import torch
@@ -42,6 +46,55 @@ def activation(h: Tensor, kind: str) -> Tensor:
 def bias_activation_torch(pre: Tensor, bias: Tensor, kind: str) -> Tensor:
     """The reference maths: act(pre + bias)."""
     return activation(pre + bias, kind)
+
+
+def linear_gelu_applies(x: Tensor, kind: str) -> bool:
+    """Whether `linear_gelu` may run fc1 and its GELU for x: CUDA, compute in bf16 or fp16 (autocast's or x's)."""
+    if kind != "gelu" or not x.is_cuda:
+        return False
+    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
+    return dtype in (torch.bfloat16, torch.float16)
+
+
+def linear_gelu(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+    """gelu_tanh(x weight^T + bias) for x (..., K): one cuBLASLt GEMM forward (`linear_gelu_applies` says where).
+
+    Casts x and the weight to autocast's dtype as autocast would (a custom op is not autocast's); the bias stays as
+    it is, so its gradient keeps the bias's dtype.
+    """
+    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
+    h, _ = _linear_gelu(x.reshape(-1, x.shape[-1]).to(dtype), weight.to(dtype), bias)
+    return h.view(*x.shape[:-1], weight.shape[0])
+
+
+@torch.library.custom_op("torchditan::linear_gelu", mutates_args=(), device_types="cuda")
+def _linear_gelu(x: Tensor, weight: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
+    """(h, pre + bias) of x (M, K), weight (N, K): the GELU output, and its input kept for backward."""
+    from torchtitan.tools.cublaslt import gelu_aux_bias
+
+    return gelu_aux_bias(x.contiguous(), weight.contiguous(), bias.to(x.dtype).contiguous())
+
+
+@_linear_gelu.register_fake
+def _(x, weight, bias):
+    shape = (x.shape[0], weight.shape[0])
+    return x.new_empty(shape), x.new_empty(shape)
+
+
+def _linear_gelu_setup_context(ctx, inputs, output):
+    x, weight, bias = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.bias_dtype = bias.dtype
+
+
+def _linear_gelu_backward(ctx, grad_h, _grad_pre):
+    x, weight, pre = ctx.saved_tensors
+    # pre holds the bias already: the kernel adds a zero one, and sums the bias gradient in the bias's dtype.
+    grad_pre, grad_bias = _bias_act_bwd(grad_h, pre, pre.new_zeros(pre.shape[-1], dtype=ctx.bias_dtype), False)
+    return grad_pre @ weight, grad_pre.t() @ x, grad_bias
+
+
+_linear_gelu.register_autograd(_linear_gelu_backward, setup_context=_linear_gelu_setup_context)
 
 
 def bias_activation(pre: Tensor, bias: Tensor, kind: str) -> Tensor:

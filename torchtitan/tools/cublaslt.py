@@ -1,0 +1,192 @@
+"""A cuBLASLt matmul with the GELU epilogue, called through ctypes: the MLP's bias and GELU inside fc1's GEMM.
+
+PyTorch exposes cuBLASLt's bias + GELU epilogue only without the auxiliary output that training needs
+(`torch._addmm_activation`). Here
+
+    gelu_aux_bias(x, w, b)    h = gelu_tanh(x w^T + b), and pre = x w^T + b kept for backward   (GELU_AUX_BIAS)
+
+writes both while the GEMM stores its tiles, instead of a second pass over the (tokens, hidden) activations.
+cuBLAS's GELU is the tanh approximation (DiT's). The library is the one torch loaded; nothing is built. The
+backward's counterpart (DGELU_BGRAD) is not used: on an H100 cuBLASLt ran it as a separate kernel, twice as slow as
+the GEMM plus the Triton kernel of mlp_activation.py (benchmarks.md, 2026-11-24, night).
+
+Row-major (M, N) = x (M, K) w^T is, to column-major cuBLAS, D (N, M) = op(w) (N, K) x^T (K, M) with op = transpose:
+the epilogue's bias has one value per row of D, i.e. per output feature.
+"""
+
+import ctypes
+import threading
+
+import torch
+from torch import Tensor
+
+from torchtitan.tools.logging import logger
+
+# cublasLt.h / library_types.h (CUDA 12 and 13)
+_COMPUTE_32F, _R_32F, _R_16BF, _R_16F = 68, 0, 14, 2
+_OP_N, _OP_T = 0, 1
+_DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE, _DESC_BIAS_POINTER = 3, 4, 7, 8
+_DESC_AUX_POINTER, _DESC_AUX_LD, _DESC_BIAS_DATA_TYPE = 11, 12, 26
+_PREF_MAX_WORKSPACE_BYTES = 1
+EPILOGUE_GELU_AUX_BIAS = 32 | 128 | 4
+_WORKSPACE_BYTES = 32 * 1024 * 1024
+_DTYPES = {torch.bfloat16: _R_16BF, torch.float16: _R_16F, torch.float32: _R_32F}
+
+
+class _Unavailable(RuntimeError):
+    """cuBLASLt is not loaded, or has no algorithm for this GEMM and epilogue."""
+
+
+class _HeuristicResult(ctypes.Structure):
+    _fields_ = [("algo", ctypes.c_uint64 * 8), ("workspace_size", ctypes.c_size_t), ("state", ctypes.c_int),
+                ("waves_count", ctypes.c_float), ("reserved", ctypes.c_int * 4)]  # fmt: skip
+
+
+class _CublasLt:
+    """The loaded library, one handle, workspaces per device, and a plan (descriptors and algorithm) per shape."""
+
+    def __init__(self):
+        torch.cuda.current_blas_handle()  # makes torch load cuBLAS, and with it cuBLASLt
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcublasLt.so" in line}
+        if not paths:
+            raise _Unavailable("cuBLASLt is not loaded in this process (torch was built without it?)")
+        lib = ctypes.CDLL(sorted(paths)[0])
+        vp, i64, u64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64
+        signatures = {
+            "cublasLtCreate": [ctypes.POINTER(vp)],
+            "cublasLtMatmulDescCreate": [ctypes.POINTER(vp), ctypes.c_int, ctypes.c_int],
+            "cublasLtMatmulDescSetAttribute": [vp, ctypes.c_int, vp, ctypes.c_size_t],
+            "cublasLtMatrixLayoutCreate": [ctypes.POINTER(vp), ctypes.c_int, u64, u64, i64],
+            "cublasLtMatmulPreferenceCreate": [ctypes.POINTER(vp)],
+            "cublasLtMatmulPreferenceSetAttribute": [vp, ctypes.c_int, vp, ctypes.c_size_t],
+            "cublasLtMatmulAlgoGetHeuristic": [vp, vp, vp, vp, vp, vp, vp, ctypes.c_int,
+                                               ctypes.POINTER(_HeuristicResult), ctypes.POINTER(ctypes.c_int)],
+            "cublasLtMatmul": [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, ctypes.c_size_t, vp],
+        }  # fmt: skip
+        for name, argtypes in signatures.items():
+            getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, ctypes.c_int
+        self.lib, self.plans, self.workspaces = lib, {}, {}
+        self.handle = vp()
+        self.check(lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
+        self.one, self.zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+
+    @staticmethod
+    def check(status: int, what: str) -> None:
+        if status != 0:
+            raise RuntimeError(f"{what} failed with cuBLAS status {status}")
+
+    def _set(self, desc, attribute: int, value) -> None:
+        self.check(self.lib.cublasLtMatmulDescSetAttribute(desc, attribute, ctypes.byref(value), ctypes.sizeof(value)),
+                   f"cublasLtMatmulDescSetAttribute({attribute})")  # fmt: skip
+
+    def _layout(self, dtype: int, rows: int, cols: int, ld: int):
+        layout = ctypes.c_void_p()
+        self.check(self.lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), dtype, rows, cols, ld), "layout")
+        return layout
+
+    def plan(self, key: tuple, trans_a: int, a_shape: tuple, b_shape: tuple, d_shape: tuple, dtype: int,
+             bias_dtype: int, epilogue: int, pointers: tuple[int, int, int, int]):  # fmt: skip
+        """Descriptors and the heuristic's first algorithm for column-major D (d_shape) = op(A) B, cached by key
+        (as is the lack of one)."""
+        if isinstance(self.plans.get(key), str):
+            raise _Unavailable(self.plans[key])
+        if key not in self.plans:
+            desc = ctypes.c_void_p()
+            self.check(self.lib.cublasLtMatmulDescCreate(ctypes.byref(desc), _COMPUTE_32F, _R_32F), "desc")
+            self._set(desc, _DESC_TRANSA, ctypes.c_int(trans_a))
+            self._set(desc, _DESC_TRANSB, ctypes.c_int(_OP_N))
+            self._set(desc, _DESC_EPILOGUE, ctypes.c_uint32(epilogue))
+            self._set(desc, _DESC_BIAS_DATA_TYPE, ctypes.c_int(bias_dtype))
+            self._set(desc, _DESC_AUX_LD, ctypes.c_int64(d_shape[0]))
+            layouts = [self._layout(dtype, *shape, shape[0]) for shape in (a_shape, b_shape, d_shape)]
+            self._set_pointers(desc, pointers)  # the heuristic checks the pointers' alignment
+            pref = ctypes.c_void_p()
+            self.check(self.lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "preference")
+            size = ctypes.c_uint64(_WORKSPACE_BYTES)
+            self.check(self.lib.cublasLtMatmulPreferenceSetAttribute(pref, _PREF_MAX_WORKSPACE_BYTES,
+                                                                     ctypes.byref(size), 8), "preference")  # fmt: skip
+            result, found = _HeuristicResult(), ctypes.c_int(0)
+            a, b, d = layouts
+            status = self.lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, a, b, d, d, pref, 1,
+                                                             ctypes.byref(result), ctypes.byref(found))  # fmt: skip
+            if status != 0 or found.value == 0:
+                self.plans[key] = f"cuBLASLt has no algorithm for epilogue {epilogue} at {key} (status {status})"
+                raise _Unavailable(self.plans[key])
+            self.plans[key] = (desc, layouts, result)
+        return self.plans[key]
+
+    def _set_pointers(self, desc, pointers: tuple[int, int, int, int]) -> None:
+        bias, aux = pointers[2], pointers[3]
+        self._set(desc, _DESC_BIAS_POINTER, ctypes.c_void_p(bias))
+        self._set(desc, _DESC_AUX_POINTER, ctypes.c_void_p(aux))
+
+    def matmul(self, plan, a: Tensor, b: Tensor, d: Tensor, bias: Tensor, aux: Tensor) -> None:
+        desc, (la, lb, ld), result = plan
+        pointers = (a.data_ptr(), b.data_ptr(), bias.data_ptr(), aux.data_ptr())
+        self._set_pointers(desc, pointers)
+        device = d.device
+        if device not in self.workspaces:
+            self.workspaces[device] = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        stream = torch.cuda.current_stream(device).cuda_stream
+        status = self.lib.cublasLtMatmul(self.handle, desc, ctypes.byref(self.one), a.data_ptr(), la, b.data_ptr(), lb,
+                                         ctypes.byref(self.zero), d.data_ptr(), ld, d.data_ptr(), ld,
+                                         ctypes.byref(result.algo), self.workspaces[device].data_ptr(),
+                                         _WORKSPACE_BYTES, stream)  # fmt: skip
+        self.check(status, "cublasLtMatmul")
+
+
+_lt: _CublasLt | None = None
+_lt_lock = threading.Lock()
+
+
+def _library() -> _CublasLt:
+    global _lt
+    with _lt_lock:
+        if _lt is None:
+            _lt = _CublasLt()
+    return _lt
+
+
+def _check_operands(*tensors: Tensor) -> None:
+    for t in tensors:
+        if not t.is_cuda or not t.is_contiguous() or t.dtype not in _DTYPES:
+            raise ValueError(f"cuBLASLt operands must be contiguous CUDA tensors, got {t.dtype} {tuple(t.shape)} "
+                             f"on {t.device}, contiguous={t.is_contiguous()}")  # fmt: skip
+
+
+def gelu_aux_bias(x: Tensor, weight: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
+    """(gelu_tanh(x w^T + b), x w^T + b) for x (M, K), w (N, K), b (N,), all of one dtype (bf16 or fp16: cuBLASLt
+    has no such kernel for an fp32 bias with bf16 operands)."""
+    _check_operands(x, weight, bias)
+    if not x.dtype == weight.dtype == bias.dtype:
+        raise ValueError(f"gelu_aux_bias needs one dtype, got x {x.dtype}, weight {weight.dtype}, bias {bias.dtype}")
+    (M, K), N = x.shape, weight.shape[0]
+    try:
+        lt = _library()
+    except _Unavailable as e:
+        return _gelu_aux_bias_torch(x, weight, bias, str(e))
+    h, pre = x.new_empty(M, N), x.new_empty(M, N)
+    dtype = _DTYPES[x.dtype]
+    pointers = (x.data_ptr(), weight.data_ptr(), bias.data_ptr(), pre.data_ptr())
+    # The algorithm the heuristic picks may rely on the pointers' alignment: one plan per alignment (up to 256 B).
+    alignment = tuple(min(p & -p, 256) for p in pointers)
+    key = ("gelu_aux_bias", M, N, K, x.dtype, x.device, alignment)
+    try:
+        plan = lt.plan(key, _OP_T, (K, N), (K, M), (N, M), dtype, dtype, EPILOGUE_GELU_AUX_BIAS, pointers)
+    except _Unavailable as e:
+        return _gelu_aux_bias_torch(x, weight, bias, str(e))
+    lt.matmul(plan, weight, x, h, bias, pre)
+    return h, pre
+
+
+_warned: set[str] = set()
+
+
+def _gelu_aux_bias_torch(x: Tensor, weight: Tensor, bias: Tensor, reason: str) -> tuple[Tensor, Tensor]:
+    """The same maths in two passes, where cuBLASLt cannot run it (warned once per reason)."""
+    if reason not in _warned:
+        _warned.add(reason)
+        logger.warning(f"gelu_aux_bias: {reason}; running the GEMM and GELU apart")
+    pre = torch.nn.functional.linear(x, weight, bias)
+    return torch.nn.functional.gelu(pre, approximate="tanh"), pre
