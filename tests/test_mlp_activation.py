@@ -104,6 +104,16 @@ def test_compiled_mlp_matches_module_path_on_cuda(mlp):
         torch.testing.assert_close(a.float(), b.float(), rtol=3e-2, atol=3e-2 * b.abs().max().item())
 
 
+def test_cublaslt_refuses_operands_it_cannot_take():
+    # cuBLASLt reads raw CUDA pointers: anything else is refused, with its dtype, shape and device, before any call.
+    from torchtitan.tools.cublaslt import gelu_aux_bias
+
+    x, weight, bias = torch.randn(4, 8), torch.randn(16, 8), torch.randn(16)
+    with pytest.raises(ValueError, match=r"contiguous CUDA tensors, got torch.float32 \(4, 8\) on cpu"):
+        gelu_aux_bias(x, weight, bias)
+    assert not ma.linear_gelu_applies(x, "gelu") and not ma.linear_gelu_applies(x, "swiglu")
+
+
 def test_selective_checkpointing_keeps_the_linear_gelu_gemm():
     # Per-op selective checkpointing saves matmul outputs; fc1's GEMM with its GELU (a custom op) is one of them, so
     # backward does not run it again.

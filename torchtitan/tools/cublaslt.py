@@ -136,7 +136,7 @@ class _CublasLt:
         self.check(status, "cublasLtMatmul")
 
 
-_lt: _CublasLt | None = None
+_lt: _CublasLt | _Unavailable | None = None  # the library, or why it cannot be had
 _lt_lock = threading.Lock()
 
 
@@ -144,7 +144,12 @@ def _library() -> _CublasLt:
     global _lt
     with _lt_lock:
         if _lt is None:
-            _lt = _CublasLt()
+            try:
+                _lt = _CublasLt()
+            except _Unavailable as e:
+                _lt = e
+    if isinstance(_lt, _Unavailable):
+        raise _lt
     return _lt
 
 
