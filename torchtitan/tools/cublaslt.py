@@ -47,8 +47,11 @@ class _CublasLt:
 
     def __init__(self):
         torch.cuda.current_blas_handle()  # makes torch load cuBLAS, and with it cuBLASLt
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "libcublasLt.so" in line}
+        try:  # the copy torch loaded, found by its path (Linux)
+            with open("/proc/self/maps") as maps:
+                paths = {line.split()[-1] for line in maps if "libcublasLt.so" in line}
+        except OSError as e:
+            raise _Unavailable(f"cannot list this process's libraries ({e})") from e
         if not paths:
             raise _Unavailable("cuBLASLt is not loaded in this process (torch was built without it?)")
         lib = ctypes.CDLL(sorted(paths)[0])
