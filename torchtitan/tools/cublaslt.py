@@ -28,9 +28,10 @@ _OP_N, _OP_T = 0, 1
 _DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE, _DESC_BIAS_POINTER = 3, 4, 7, 8
 _DESC_AUX_POINTER, _DESC_AUX_LD, _DESC_BIAS_DATA_TYPE = 11, 12, 26
 _PREF_MAX_WORKSPACE_BYTES = 1
-EPILOGUE_GELU_AUX_BIAS = 32 | 128 | 4
+_EPILOGUE_GELU_AUX_BIAS = 32 | 128 | 4
 _WORKSPACE_BYTES = 32 * 1024 * 1024
-_DTYPES = {torch.bfloat16: _R_16BF, torch.float16: _R_16F, torch.float32: _R_32F}
+_ALIGNMENT = 256  # bytes: what the heuristic assumes of the operands' pointers unless told otherwise
+_DTYPES = {torch.bfloat16: _R_16BF, torch.float16: _R_16F}
 
 
 class _Unavailable(RuntimeError):
@@ -89,7 +90,7 @@ class _CublasLt:
         return layout
 
     def plan(self, key: tuple, trans_a: int, a_shape: tuple, b_shape: tuple, d_shape: tuple, dtype: int,
-             bias_dtype: int, epilogue: int, pointers: tuple[int, int, int, int]):  # fmt: skip
+             epilogue: int, bias: Tensor, aux: Tensor):  # fmt: skip
         """Descriptors and the heuristic's first algorithm for column-major D (d_shape) = op(A) B, cached by key
         (as is the lack of one)."""
         if isinstance(self.plans.get(key), str):
@@ -100,10 +101,10 @@ class _CublasLt:
             self._set(desc, _DESC_TRANSA, ctypes.c_int(trans_a))
             self._set(desc, _DESC_TRANSB, ctypes.c_int(_OP_N))
             self._set(desc, _DESC_EPILOGUE, ctypes.c_uint32(epilogue))
-            self._set(desc, _DESC_BIAS_DATA_TYPE, ctypes.c_int(bias_dtype))
+            self._set(desc, _DESC_BIAS_DATA_TYPE, ctypes.c_int(dtype))
             self._set(desc, _DESC_AUX_LD, ctypes.c_int64(d_shape[0]))
             layouts = [self._layout(dtype, *shape, shape[0]) for shape in (a_shape, b_shape, d_shape)]
-            self._set_pointers(desc, pointers)  # the heuristic checks the pointers' alignment
+            self._set_pointers(desc, bias, aux)  # the heuristic checks their alignment
             pref = ctypes.c_void_p()
             self.check(self.lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "preference")
             size = ctypes.c_uint64(_WORKSPACE_BYTES)
@@ -119,15 +120,13 @@ class _CublasLt:
             self.plans[key] = (desc, layouts, result)
         return self.plans[key]
 
-    def _set_pointers(self, desc, pointers: tuple[int, int, int, int]) -> None:
-        bias, aux = pointers[2], pointers[3]
-        self._set(desc, _DESC_BIAS_POINTER, ctypes.c_void_p(bias))
-        self._set(desc, _DESC_AUX_POINTER, ctypes.c_void_p(aux))
+    def _set_pointers(self, desc, bias: Tensor, aux: Tensor) -> None:
+        self._set(desc, _DESC_BIAS_POINTER, ctypes.c_void_p(bias.data_ptr()))
+        self._set(desc, _DESC_AUX_POINTER, ctypes.c_void_p(aux.data_ptr()))
 
     def matmul(self, plan, a: Tensor, b: Tensor, d: Tensor, bias: Tensor, aux: Tensor) -> None:
         desc, (la, lb, ld), result = plan
-        pointers = (a.data_ptr(), b.data_ptr(), bias.data_ptr(), aux.data_ptr())
-        self._set_pointers(desc, pointers)
+        self._set_pointers(desc, bias, aux)
         device = d.device
         if device not in self.workspaces:
             self.workspaces[device] = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
@@ -164,24 +163,23 @@ def _check_operands(*tensors: Tensor) -> None:
 
 
 def gelu_aux_bias(x: Tensor, weight: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
-    """(gelu_tanh(x w^T + b), x w^T + b) for x (M, K), w (N, K), b (N,), all of one dtype (bf16 or fp16: cuBLASLt
-    has no such kernel for an fp32 bias with bf16 operands)."""
+    """(gelu_tanh(x w^T + b), x w^T + b) for x (M, K), w (N, K), b (N,), all bf16 or all fp16 (cuBLASLt has no such
+    kernel for an fp32 bias with bf16 operands)."""
     _check_operands(x, weight, bias)
     if not x.dtype == weight.dtype == bias.dtype:
         raise ValueError(f"gelu_aux_bias needs one dtype, got x {x.dtype}, weight {weight.dtype}, bias {bias.dtype}")
     (M, K), N = x.shape, weight.shape[0]
+    # Fresh allocations are aligned; a view at an offset may not be, and the heuristic's algorithm would not run it.
+    if any(t.data_ptr() % _ALIGNMENT for t in (x, weight, bias)):
+        return _gelu_aux_bias_torch(x, weight, bias, f"operands not {_ALIGNMENT}-byte aligned")
     try:
         lt = _library()
     except _Unavailable as e:
         return _gelu_aux_bias_torch(x, weight, bias, str(e))
     h, pre = x.new_empty(M, N), x.new_empty(M, N)
-    dtype = _DTYPES[x.dtype]
-    pointers = (x.data_ptr(), weight.data_ptr(), bias.data_ptr(), pre.data_ptr())
-    # The algorithm the heuristic picks may rely on the pointers' alignment: one plan per alignment (up to 256 B).
-    alignment = tuple(min(p & -p, 256) for p in pointers)
-    key = ("gelu_aux_bias", M, N, K, x.dtype, x.device, alignment)
+    key = ("gelu_aux_bias", M, N, K, x.dtype, x.device)
     try:
-        plan = lt.plan(key, _OP_T, (K, N), (K, M), (N, M), dtype, dtype, EPILOGUE_GELU_AUX_BIAS, pointers)
+        plan = lt.plan(key, _OP_T, (K, N), (K, M), (N, M), _DTYPES[x.dtype], _EPILOGUE_GELU_AUX_BIAS, bias, pre)
     except _Unavailable as e:
         return _gelu_aux_bias_torch(x, weight, bias, str(e))
     lt.matmul(plan, weight, x, h, bias, pre)

@@ -44,6 +44,17 @@ def kernel_path_applies(x, linear) -> bool:
     return triton is not None and plain and (x.is_cuda or _INTERPRETING)
 
 
+def autocast_dtype(x):
+    """The dtype autocast would run a matmul of x in: its dtype for x's device where autocast is on, else None.
+
+    The kernel paths stand in for autocast's own casts (a custom op or autograd function is not autocast's).
+    """
+    import torch
+
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+
+
 def wrap_triton(kernel):
     """How a `torch.library.triton_op` launches `kernel`: through `torch.library.wrap_triton`, so torch.compile
     traces the launch; as it is in the interpreter, where torch 2.11's wrap_triton takes only compiled kernels."""

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.library import triton_op
 
-from torchtitan.tools.triton_support import tl, triton, wrap_triton
+from torchtitan.tools.triton_support import autocast_dtype, tl, triton, wrap_triton
 
 ACTIVATIONS = ("gelu", "swiglu")
 # Launch settings, forward and backward (bwd_*): columns per program, rows per load, warps, and the rows a backward
@@ -50,10 +50,7 @@ def bias_activation_torch(pre: Tensor, bias: Tensor, kind: str) -> Tensor:
 
 def linear_gelu_applies(x: Tensor, kind: str) -> bool:
     """Whether `linear_gelu` may run fc1 and its GELU for x: CUDA, compute in bf16 or fp16 (autocast's or x's)."""
-    if kind != "gelu" or not x.is_cuda:
-        return False
-    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
-    return dtype in (torch.bfloat16, torch.float16)
+    return kind == "gelu" and x.is_cuda and (autocast_dtype(x) or x.dtype) in (torch.bfloat16, torch.float16)
 
 
 def linear_gelu(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
@@ -62,7 +59,7 @@ def linear_gelu(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
     Casts x and the weight to autocast's dtype as autocast would (a custom op is not autocast's); the bias stays as
     it is, so its gradient keeps the bias's dtype.
     """
-    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
+    dtype = autocast_dtype(x) or x.dtype
     h, _ = _linear_gelu(x.reshape(-1, x.shape[-1]).to(dtype), weight.to(dtype), bias)
     return h.view(*x.shape[:-1], weight.shape[0])
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.library import triton_op
 
-from torchtitan.tools.triton_support import tl, triton, wrap_triton
+from torchtitan.tools.triton_support import autocast_dtype, tl, triton, wrap_triton
 
 # Launch settings: columns per program, rows per load, rows a program walks (its bias partial sums cover them), warps.
 LAUNCH = {"block_n": 128, "block_m": 64, "rows": 256, "num_warps": 4}
@@ -41,15 +41,14 @@ class _QKVLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, num_heads):
         # Autocast would cast the operands inside F.linear; cast them here, so backward's GEMMs get the same ones.
-        device = x.device.type
-        if torch.is_autocast_enabled(device):
-            dtype = torch.get_autocast_dtype(device)
+        dtype = autocast_dtype(x)
+        if dtype is not None:
             x, weight_c, bias_c = x.to(dtype), weight.to(dtype), bias.to(dtype)
         else:
             weight_c, bias_c = weight, bias
         ctx.save_for_backward(x, weight_c)
         ctx.dtypes = (weight.dtype, bias.dtype)
-        with torch.autocast(device, enabled=False):
+        with torch.autocast(x.device.type, enabled=False):
             return qkv_linear_torch(x, weight_c, bias_c, num_heads)
 
     @staticmethod
