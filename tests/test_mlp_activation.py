@@ -106,33 +106,35 @@ def test_compiled_mlp_matches_module_path_on_cuda(mlp):
 
 def test_cublaslt_refuses_operands_it_cannot_take():
     # cuBLASLt reads raw CUDA pointers: anything else is refused, with its dtype, shape and device, before any call.
-    from torchtitan.tools.cublaslt import gelu_aux_bias
+    from torchtitan.tools.cublaslt import gelu_aux_bias, matmul_dgelu
 
     x, weight, bias = torch.randn(4, 8), torch.randn(16, 8), torch.randn(16)
     with pytest.raises(ValueError, match=r"contiguous CUDA tensors, got torch.float32 \(4, 8\) on cpu"):
         gelu_aux_bias(x, weight, bias)
-    assert not ma.linear_gelu_applies(x, "gelu") and not ma.linear_gelu_applies(x, "swiglu")
+    with pytest.raises(ValueError, match=r"contiguous CUDA tensors, got torch.float32 \(4, 8\) on cpu"):
+        matmul_dgelu(torch.randn(4, 8), torch.randn(8, 16), torch.randn(4, 16))
+    assert not ma.gelu_mlp_applies(x, "gelu") and not ma.gelu_mlp_applies(x, "swiglu")
 
 
-def test_selective_checkpointing_keeps_the_linear_gelu_gemm():
-    # Per-op selective checkpointing saves matmul outputs; fc1's GEMM with its GELU (a custom op) is one of them, so
-    # backward does not run it again.
+def test_selective_checkpointing_keeps_the_gelu_mlp():
+    # Per-op selective checkpointing saves matmul outputs; the GELU MLP (a custom op holding fc1's and fc2's GEMMs) is
+    # one of them, so backward does not run it again.
     from torch.utils.checkpoint import CheckpointPolicy
 
     from torchtitan.parallelisms.utils import _op_policy
 
-    assert _op_policy(None, torch.ops.torchditan.linear_gelu.default) == CheckpointPolicy.MUST_SAVE
+    assert _op_policy(None, torch.ops.torchditan.gelu_mlp.default) == CheckpointPolicy.MUST_SAVE
     assert _op_policy(None, torch.ops.torchditan.bias_act_fwd.default) == CheckpointPolicy.PREFER_RECOMPUTE
 
 
 @needs_cuda_triton
 @pytest.mark.parametrize("fallback", [False, True])
 @pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16])
-def test_linear_gelu_on_cuda(monkeypatch, bias_dtype, fallback):
-    # fc1 + GELU as one cuBLASLt GEMM at DiT-XL/2's width, bf16 operands, against fp64 maths on the same inputs:
-    # within a few bf16 ulps of each output's scale (h, pre and the GEMMs' results are stored in bf16). The bias
-    # gradient comes back in the bias's dtype (fp32 for the fp32 parameters under autocast). `fallback`: as where
-    # cuBLASLt has no algorithm, the GEMM and GELU in torch.
+def test_gelu_mlp_on_cuda(monkeypatch, bias_dtype, fallback):
+    # The MLP as cuBLASLt GEMMs with GELU and its derivative in their epilogues, at DiT-XL/2's width, bf16 operands,
+    # against fp64 maths on the same inputs: within 2% of each result's scale (a few bf16 ulps: h, pre, the gradient
+    # of pre and the GEMMs' results are stored in bf16). The bias gradients come back in the biases' dtype (fp32 for
+    # the fp32 parameters under autocast). `fallback`: as where cuBLASLt has no algorithm, the torch maths.
     from torchtitan.tools import cublaslt
 
     def unavailable():
@@ -142,17 +144,20 @@ def test_linear_gelu_on_cuda(monkeypatch, bias_dtype, fallback):
         monkeypatch.setattr(cublaslt, "_library", unavailable)
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(2, 256, 1152, device="cuda", generator=g).bfloat16().requires_grad_()
-    weight = (0.03 * torch.randn(4608, 1152, device="cuda", generator=g)).bfloat16().requires_grad_()
-    bias = (0.5 * torch.randn(4608, device="cuda", generator=g)).to(bias_dtype).requires_grad_()
-    grad_h = torch.randn(2, 256, 4608, device="cuda", generator=g).bfloat16()
-    assert ma.linear_gelu_applies(x, "gelu") and not ma.linear_gelu_applies(x.float(), "gelu")
-    h = ma.linear_gelu(x, weight, bias)
-    got = [h, *torch.autograd.grad(h, (x, weight, bias), grad_h)]
-    assert got[3].dtype == bias_dtype
-    leaves = [t.detach().double().requires_grad_() for t in (x, weight, bias)]
-    ref_h = torch.nn.functional.gelu(leaves[0] @ leaves[1].T + leaves[2], approximate="tanh")
-    ref = [ref_h, *torch.autograd.grad(ref_h, leaves, grad_h.double())]
-    for name, a, b in zip(("h", "x", "weight", "bias"), got, ref, strict=True):
+    w1 = (0.03 * torch.randn(4608, 1152, device="cuda", generator=g)).bfloat16().requires_grad_()
+    b1 = (0.5 * torch.randn(4608, device="cuda", generator=g)).to(bias_dtype).requires_grad_()
+    w2 = (0.015 * torch.randn(1152, 4608, device="cuda", generator=g)).bfloat16().requires_grad_()
+    b2 = (0.5 * torch.randn(1152, device="cuda", generator=g)).to(bias_dtype).requires_grad_()
+    grad_y = torch.randn(2, 256, 1152, device="cuda", generator=g).bfloat16()
+    assert ma.gelu_mlp_applies(x, "gelu") and not ma.gelu_mlp_applies(x.float(), "gelu")
+    y = ma.gelu_mlp(x, w1, b1, w2, b2)
+    got = [y, *torch.autograd.grad(y, (x, w1, b1, w2, b2), grad_y)]
+    assert got[3].dtype == got[5].dtype == bias_dtype
+    leaves = [t.detach().double().requires_grad_() for t in (x, w1, b1, w2, b2)]
+    h = torch.nn.functional.gelu(leaves[0] @ leaves[1].T + leaves[2], approximate="tanh")
+    ref_y = h @ leaves[3].T + leaves[4]
+    ref = [ref_y, *torch.autograd.grad(ref_y, leaves, grad_y.double())]
+    for name, a, b in zip(("y", "x", "w1", "b1", "w2", "b2"), got, ref, strict=True):
         torch.testing.assert_close(
             a.double(), b, rtol=2e-2, atol=2e-2 * b.abs().max().item(), msg=lambda m, name=name: f"{name}: {m}"
         )

@@ -103,8 +103,9 @@ class Model:
     Triton kernel forward and one backward (torch elsewhere); '' keeps the flavor's (true)."""
     fused_mlp: str = ""
     """Override: 'true' | 'false': on CUDA, fc1's bias and the MLP activation (GELU or SwiGLU) run as one Triton
-    kernel forward (GELU in bf16/fp16: inside fc1's GEMM, a cuBLASLt epilogue) and one backward that also sums fc1's
-    bias gradient (where fc1 is a plain, unhooked Linear: not under DP-SGD or float8); '' keeps the flavor's (true)."""
+    kernel forward and one backward that also sums fc1's bias gradient (GELU in bf16/fp16: the whole MLP as cuBLASLt
+    GEMMs, GELU in fc1's epilogue and its derivative in that of fc2's input gradient), where fc1 and fc2 are plain,
+    unhooked Linears: not under DP-SGD or float8; '' keeps the flavor's (true)."""
     fused_qkv: str = ""
     """Override: 'true' | 'false': on CUDA, the attention's qkv Linear assembles its output gradient from q, k and
     v's and sums its bias gradient in one Triton kernel (where qkv is a plain, unhooked Linear: not under DP-SGD

@@ -24,8 +24,8 @@ _SAVE_LIST = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.aten._scaled_mm.default,
 }
-# Custom ops that hold a GEMM, by name (they register when their model module is imported): fc1 + GELU.
-_SAVE_CUSTOM = {"torchditan::linear_gelu"}
+# Custom ops that hold a GEMM, by name (they register when their model module is imported): the GELU MLP.
+_SAVE_CUSTOM = {"torchditan::gelu_mlp"}
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -1,17 +1,19 @@
-"""A cuBLASLt matmul with the GELU epilogue, called through ctypes: the MLP's bias and GELU inside fc1's GEMM.
+"""cuBLASLt matmuls with GELU epilogues, called through ctypes: the MLP's GELU inside its GEMMs, both ways.
 
 PyTorch exposes cuBLASLt's bias + GELU epilogue only without the auxiliary output that training needs
-(`torch._addmm_activation`). Here
+(`torch._addmm_activation`), and not its GELU-gradient epilogue. Here
 
     gelu_aux_bias(x, w, b)    h = gelu_tanh(x w^T + b), and pre = x w^T + b kept for backward   (GELU_AUX_BIAS)
+    matmul_dgelu(g, w, pre)   (g w) * gelu_tanh'(pre): fc2's input gradient taken back through the GELU   (DGELU)
 
-writes both while the GEMM stores its tiles, instead of a second pass over the (tokens, hidden) activations.
-cuBLAS's GELU is the tanh approximation (DiT's). The library is the one torch loaded; nothing is built. The
-backward's counterpart (DGELU_BGRAD) is not used: on an H100 cuBLASLt ran it as a separate kernel, twice as slow as
-the GEMM plus the Triton kernel of mlp_activation.py (benchmarks.md, 2026-11-24, night).
+apply the activation, or its derivative, while the GEMM stores its tiles, instead of a second pass over the
+(tokens, hidden) activations. cuBLAS's GELU is the tanh approximation (DiT's). The library is the one torch loaded;
+nothing is built. DGELU_BGRAD, which would also sum the bias gradient, is not used: on an H100 cuBLASLt ran that sum
+as a separate kernel, slower than the GEMM (benchmarks.md, 2026-11-24, night).
 
 Row-major (M, N) = x (M, K) w^T is, to column-major cuBLAS, D (N, M) = op(w) (N, K) x^T (K, M) with op = transpose:
-the epilogue's bias has one value per row of D, i.e. per output feature.
+the epilogue's bias has one value per row of D, i.e. per output feature. Row-major g (M, K) w (K, N) is
+D (N, M) = w^T (N, K) g^T (K, M), neither transposed: the auxiliary input pre is laid out as D.
 """
 
 import ctypes
@@ -28,7 +30,7 @@ _OP_N, _OP_T = 0, 1
 _DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE, _DESC_BIAS_POINTER = 3, 4, 7, 8
 _DESC_AUX_POINTER, _DESC_AUX_LD, _DESC_BIAS_DATA_TYPE = 11, 12, 26
 _PREF_MAX_WORKSPACE_BYTES = 1
-_EPILOGUE_GELU_AUX_BIAS = 32 | 128 | 4
+_EPILOGUE_GELU_AUX_BIAS, _EPILOGUE_DGELU = 32 | 128 | 4, 64 | 128
 _WORKSPACE_BYTES = 32 * 1024 * 1024
 _ALIGNMENT = 256  # bytes: what the heuristic assumes of the operands' pointers unless told otherwise
 _DTYPES = {torch.bfloat16: _R_16BF, torch.float16: _R_16F}
@@ -90,7 +92,7 @@ class _CublasLt:
         return layout
 
     def plan(self, key: tuple, trans_a: int, a_shape: tuple, b_shape: tuple, d_shape: tuple, dtype: int,
-             epilogue: int, bias: Tensor, aux: Tensor):  # fmt: skip
+             epilogue: int, bias: Tensor | None, aux: Tensor):  # fmt: skip
         """Descriptors and the heuristic's first algorithm for column-major D (d_shape) = op(A) B, cached by key
         (as is the lack of one)."""
         if isinstance(self.plans.get(key), str):
@@ -101,7 +103,8 @@ class _CublasLt:
             self._set(desc, _DESC_TRANSA, ctypes.c_int(trans_a))
             self._set(desc, _DESC_TRANSB, ctypes.c_int(_OP_N))
             self._set(desc, _DESC_EPILOGUE, ctypes.c_uint32(epilogue))
-            self._set(desc, _DESC_BIAS_DATA_TYPE, ctypes.c_int(dtype))
+            if bias is not None:
+                self._set(desc, _DESC_BIAS_DATA_TYPE, ctypes.c_int(dtype))
             self._set(desc, _DESC_AUX_LD, ctypes.c_int64(d_shape[0]))
             layouts = [self._layout(dtype, *shape, shape[0]) for shape in (a_shape, b_shape, d_shape)]
             self._set_pointers(desc, bias, aux)  # the heuristic checks their alignment
@@ -120,11 +123,12 @@ class _CublasLt:
             self.plans[key] = (desc, layouts, result)
         return self.plans[key]
 
-    def _set_pointers(self, desc, bias: Tensor, aux: Tensor) -> None:
-        self._set(desc, _DESC_BIAS_POINTER, ctypes.c_void_p(bias.data_ptr()))
+    def _set_pointers(self, desc, bias: Tensor | None, aux: Tensor) -> None:
+        if bias is not None:
+            self._set(desc, _DESC_BIAS_POINTER, ctypes.c_void_p(bias.data_ptr()))
         self._set(desc, _DESC_AUX_POINTER, ctypes.c_void_p(aux.data_ptr()))
 
-    def matmul(self, plan, a: Tensor, b: Tensor, d: Tensor, bias: Tensor, aux: Tensor) -> None:
+    def matmul(self, plan, a: Tensor, b: Tensor, d: Tensor, bias: Tensor | None, aux: Tensor) -> None:
         desc, (la, lb, ld), result = plan
         self._set_pointers(desc, bias, aux)
         device = d.device
@@ -186,13 +190,46 @@ def gelu_aux_bias(x: Tensor, weight: Tensor, bias: Tensor) -> tuple[Tensor, Tens
     return h, pre
 
 
+def matmul_dgelu(grad: Tensor, weight: Tensor, pre: Tensor) -> Tensor:
+    """(grad @ weight) * gelu_tanh'(pre) for grad (M, K), weight (K, N), pre (M, N), all bf16 or all fp16: the
+    gradient of a GELU's input, from that of the Linear (weight (K, N)) that reads the GELU's output."""
+    _check_operands(grad, weight, pre)
+    if not grad.dtype == weight.dtype == pre.dtype:
+        raise ValueError(f"matmul_dgelu needs one dtype, got grad {grad.dtype}, weight {weight.dtype}, pre {pre.dtype}")
+    (M, K), N = grad.shape, weight.shape[1]
+    if any(t.data_ptr() % _ALIGNMENT for t in (grad, weight, pre)):
+        return _matmul_dgelu_torch(grad, weight, pre, f"operands not {_ALIGNMENT}-byte aligned")
+    try:
+        lt = _library()
+    except _Unavailable as e:
+        return _matmul_dgelu_torch(grad, weight, pre, str(e))
+    out = grad.new_empty(M, N)
+    key = ("dgelu", M, N, K, grad.dtype, grad.device)
+    try:
+        plan = lt.plan(key, _OP_N, (N, K), (K, M), (N, M), _DTYPES[grad.dtype], _EPILOGUE_DGELU, None, pre)
+    except _Unavailable as e:
+        return _matmul_dgelu_torch(grad, weight, pre, str(e))
+    lt.matmul(plan, weight, grad, out, None, pre)
+    return out
+
+
+def _matmul_dgelu_torch(grad: Tensor, weight: Tensor, pre: Tensor, reason: str) -> Tensor:
+    """The same maths in two passes, where cuBLASLt cannot run it (warned once per reason)."""
+    _warn_once(f"matmul_dgelu: {reason}; running the GEMM and GELU's gradient apart")
+    return torch.ops.aten.gelu_backward(grad @ weight, pre, approximate="tanh")
+
+
 _warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning(message)
 
 
 def _gelu_aux_bias_torch(x: Tensor, weight: Tensor, bias: Tensor, reason: str) -> tuple[Tensor, Tensor]:
     """The same maths in two passes, where cuBLASLt cannot run it (warned once per reason)."""
-    if reason not in _warned:
-        _warned.add(reason)
-        logger.warning(f"gelu_aux_bias: {reason}; running the GEMM and GELU apart")
+    _warn_once(f"gelu_aux_bias: {reason}; running the GEMM and GELU apart")
     pre = torch.nn.functional.linear(x, weight, bias)
     return torch.nn.functional.gelu(pre, approximate="tanh"), pre

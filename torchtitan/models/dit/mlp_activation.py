@@ -14,9 +14,10 @@ is one kernel; its backward writes the gradient of pre and, in the same pass, su
 `kernel_path_applies(x, fc1)` (triton_support) says where the model takes this path; tests run the kernels on CPU
 tensors in Triton's interpreter.
 
-On CUDA in bf16 or fp16, GELU goes one step further (`linear_gelu`): fc1's GEMM adds the bias and applies GELU in
-its epilogue (cuBLASLt, torchtitan/tools/cublaslt.py), writing pre + bias beside h for backward, whose activation
-gradient and bias sum are the kernel above.
+On CUDA in bf16 or fp16, GELU goes one step further (`gelu_mlp`, the whole MLP as one op): fc1's GEMM adds the
+bias and applies GELU in its epilogue, writing pre + bias beside h for backward, and in backward fc2's input-gradient
+GEMM multiplies by GELU's derivative in its epilogue (cuBLASLt, torchtitan/tools/cublaslt.py), so no pass over the
+hidden activations is left but fc1's bias gradient, a sum over rows.
 """
 
 import torch
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.library import triton_op
 
+from torchtitan.tools.cublaslt import gelu_aux_bias, matmul_dgelu
 from torchtitan.tools.triton_support import autocast_dtype, tl, triton, wrap_triton
 
 ACTIVATIONS = ("gelu", "swiglu")
@@ -48,50 +50,63 @@ def bias_activation_torch(pre: Tensor, bias: Tensor, kind: str) -> Tensor:
     return activation(pre + bias, kind)
 
 
-def linear_gelu_applies(x: Tensor, kind: str) -> bool:
-    """Whether `linear_gelu` may run fc1 and its GELU for x: CUDA, compute in bf16 or fp16 (autocast's or x's)."""
+def gelu_mlp_applies(x: Tensor, kind: str) -> bool:
+    """Whether `gelu_mlp` may run the MLP for x: GELU, CUDA, compute in bf16 or fp16 (autocast's or x's)."""
     return kind == "gelu" and x.is_cuda and (autocast_dtype(x) or x.dtype) in (torch.bfloat16, torch.float16)
 
 
-def linear_gelu(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
-    """gelu_tanh(x weight^T + bias) for x (..., K): one cuBLASLt GEMM forward (`linear_gelu_applies` says where).
+def gelu_mlp(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor) -> Tensor:
+    """fc2(gelu_tanh(fc1(x))) for x (..., D), fc1 = (w1 (H, D), b1), fc2 = (w2 (D, H), b2), by cuBLASLt GEMMs with
+    the GELU (forward) and its derivative (backward) in their epilogues (`gelu_mlp_applies` says where).
 
-    Casts x and the weight to autocast's dtype as autocast would (a custom op is not autocast's); the bias stays as
-    it is, so its gradient keeps the bias's dtype.
+    Casts x and the weights to autocast's dtype as autocast would (a custom op is not autocast's); the biases stay as
+    they are, so their gradients keep their dtypes.
     """
     dtype = autocast_dtype(x) or x.dtype
-    h, _ = _linear_gelu(x.reshape(-1, x.shape[-1]).to(dtype), weight.to(dtype), bias)
-    return h.view(*x.shape[:-1], weight.shape[0])
+    y, _, _ = _gelu_mlp(x.reshape(-1, x.shape[-1]).to(dtype), w1.to(dtype), b1, w2.to(dtype), b2)
+    return y.view(*x.shape[:-1], w2.shape[0])
 
 
-@torch.library.custom_op("torchditan::linear_gelu", mutates_args=(), device_types="cuda")
-def _linear_gelu(x: Tensor, weight: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
-    """(h, pre + bias) of x (M, K), weight (N, K): the GELU output, and its input kept for backward."""
-    from torchtitan.tools.cublaslt import gelu_aux_bias
-
-    return gelu_aux_bias(x.contiguous(), weight.contiguous(), bias.to(x.dtype).contiguous())
-
-
-@_linear_gelu.register_fake
-def _(x, weight, bias):
-    shape = (x.shape[0], weight.shape[0])
-    return x.new_empty(shape), x.new_empty(shape)
+@torch.library.custom_op("torchditan::gelu_mlp", mutates_args=(), device_types="cuda")
+def _gelu_mlp(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(y, h, pre + b1) of x (M, D): the output, and the GELU's output and input kept for backward."""
+    h, pre = gelu_aux_bias(x.contiguous(), w1.contiguous(), b1.to(x.dtype).contiguous())  # (M, H) each
+    return torch.addmm(b2.to(x.dtype), h, w2.t()), h, pre
 
 
-def _linear_gelu_setup_context(ctx, inputs, output):
-    x, weight, bias = inputs
-    ctx.save_for_backward(x, weight, output[1])
-    ctx.bias_dtype = bias.dtype
+@_gelu_mlp.register_fake
+def _(x, w1, b1, w2, b2):
+    hidden = (x.shape[0], w1.shape[0])
+    return x.new_empty(x.shape[0], w2.shape[0]), x.new_empty(hidden), x.new_empty(hidden)
 
 
-def _linear_gelu_backward(ctx, grad_h, _grad_pre):
-    x, weight, pre = ctx.saved_tensors
-    # pre holds the bias already: the kernel adds a zero one, and sums the bias gradient in the bias's dtype.
-    grad_pre, grad_bias = _bias_act_bwd(grad_h, pre, pre.new_zeros(pre.shape[-1], dtype=ctx.bias_dtype), False)
-    return grad_pre @ weight, grad_pre.t() @ x, grad_bias
+def _gelu_mlp_setup_context(ctx, inputs, output):
+    x, w1, b1, w2, b2 = inputs
+    ctx.save_for_backward(x, w1, w2, output[1], output[2])
+    ctx.bias_dtypes = (b1.dtype, b2.dtype)
 
 
-_linear_gelu.register_autograd(_linear_gelu_backward, setup_context=_linear_gelu_setup_context)
+def _gelu_mlp_backward(ctx, grad_y, _grad_h, _grad_pre):
+    x, w1, w2, h, pre = ctx.saved_tensors
+    grad_y = grad_y.contiguous()
+    grad_pre = _matmul_dgelu(grad_y, w2.contiguous(), pre)  # (M, H): fc2's input gradient through the GELU
+    grad_b1 = grad_pre.sum(0, dtype=torch.float32).to(ctx.bias_dtypes[0])
+    grad_b2 = grad_y.sum(0, dtype=torch.float32).to(ctx.bias_dtypes[1])
+    return grad_pre @ w1, grad_pre.t() @ x, grad_b1, grad_y.t() @ h, grad_b2
+
+
+_gelu_mlp.register_autograd(_gelu_mlp_backward, setup_context=_gelu_mlp_setup_context)
+
+
+@torch.library.custom_op("torchditan::matmul_dgelu", mutates_args=(), device_types="cuda")
+def _matmul_dgelu(grad: Tensor, weight: Tensor, pre: Tensor) -> Tensor:
+    """(grad @ weight) * gelu_tanh'(pre): one cuBLASLt GEMM with the derivative in its epilogue."""
+    return matmul_dgelu(grad, weight, pre)
+
+
+@_matmul_dgelu.register_fake
+def _(grad, weight, pre):
+    return grad.new_empty(grad.shape[0], weight.shape[1])
 
 
 def bias_activation(pre: Tensor, bias: Tensor, kind: str) -> Tensor:

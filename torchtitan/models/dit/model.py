@@ -16,8 +16,8 @@ from torchtitan.models.dit.mlp_activation import (
     ACTIVATIONS,
     activation,
     bias_activation,
-    linear_gelu,
-    linear_gelu_applies,
+    gelu_mlp,
+    gelu_mlp_applies,
 )
 from torchtitan.models.dit.qkv_projection import qkv_linear
 from torchtitan.models.dit.rope import apply_rope, build_rope_2d
@@ -63,7 +63,7 @@ class DiTArgs:
     norm_eps: float = 1e-6
     multiple_of: int = 256  # SwiGLU hidden size rounding, as in Llama
     fused_norm: bool = True  # on CUDA, each adaLN norm (and the gated residual add before it) is one Triton kernel
-    fused_mlp: bool = True  # on CUDA, fc1's bias and the MLP activation are one kernel or GEMM (mlp_activation.py)
+    fused_mlp: bool = True  # on CUDA, fc1's bias and activation in one kernel, or GELU in GEMMs (mlp_activation.py)
     fused_qkv: bool = True  # on CUDA, qkv's gradient assembly and bias sum are one Triton kernel (qkv_projection.py)
 
     @property
@@ -247,8 +247,8 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused and kernel_path_applies(x, self.fc1):
-            if linear_gelu_applies(x, self.kind):  # the bias and GELU in fc1's GEMM
-                return self.fc2(linear_gelu(x, self.fc1.weight, self.fc1.bias))
+            if gelu_mlp_applies(x, self.kind) and kernel_path_applies(x, self.fc2):  # GELU inside the GEMMs
+                return gelu_mlp(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias)
             # fc1 without its bias; the bias, the activation and (in backward) the bias gradient in one kernel
             return self.fc2(bias_activation(F.linear(x, self.fc1.weight), self.fc1.bias, self.kind))
         return self.fc2(activation(self.fc1(x), self.kind))
