@@ -129,12 +129,14 @@ def test_selective_checkpointing_keeps_the_gelu_mlp():
 
 @needs_cuda_triton
 @pytest.mark.parametrize("fallback", [False, True])
-@pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16])
-def test_gelu_mlp_on_cuda(monkeypatch, bias_dtype, fallback):
-    # The MLP as cuBLASLt GEMMs with GELU and its derivative in their epilogues, at DiT-XL/2's width, bf16 operands,
-    # against fp64 maths on the same inputs: within 2% of each result's scale (a few bf16 ulps: h, pre, the gradient
-    # of pre and the GEMMs' results are stored in bf16). The bias gradients come back in the biases' dtype (fp32 for
-    # the fp32 parameters under autocast). `fallback`: as where cuBLASLt has no algorithm, the torch maths.
+@pytest.mark.parametrize("dtype,bias_dtype", [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                              (torch.float16, torch.float16)])  # fmt: skip
+def test_gelu_mlp_on_cuda(monkeypatch, dtype, bias_dtype, fallback):
+    # The MLP as cuBLASLt GEMMs with GELU and its derivative in their epilogues, at DiT-XL/2's width, bf16 or fp16
+    # operands, against fp64 maths on the same inputs: within 2% of each result's scale (a few bf16 ulps: h, pre,
+    # the gradient of pre and the GEMMs' results are stored in 16 bits). The bias gradients come back in the biases'
+    # dtype (fp32 for the fp32 parameters under autocast). `fallback`: as where cuBLASLt has no algorithm, the torch
+    # maths.
     from torchtitan.tools import cublaslt
 
     def unavailable():
@@ -143,12 +145,12 @@ def test_gelu_mlp_on_cuda(monkeypatch, bias_dtype, fallback):
     if fallback:
         monkeypatch.setattr(cublaslt, "_library", unavailable)
     g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(2, 256, 1152, device="cuda", generator=g).bfloat16().requires_grad_()
-    w1 = (0.03 * torch.randn(4608, 1152, device="cuda", generator=g)).bfloat16().requires_grad_()
+    x = torch.randn(2, 256, 1152, device="cuda", generator=g).to(dtype).requires_grad_()
+    w1 = (0.03 * torch.randn(4608, 1152, device="cuda", generator=g)).to(dtype).requires_grad_()
     b1 = (0.5 * torch.randn(4608, device="cuda", generator=g)).to(bias_dtype).requires_grad_()
-    w2 = (0.015 * torch.randn(1152, 4608, device="cuda", generator=g)).bfloat16().requires_grad_()
+    w2 = (0.015 * torch.randn(1152, 4608, device="cuda", generator=g)).to(dtype).requires_grad_()
     b2 = (0.5 * torch.randn(1152, device="cuda", generator=g)).to(bias_dtype).requires_grad_()
-    grad_y = torch.randn(2, 256, 1152, device="cuda", generator=g).bfloat16()
+    grad_y = torch.randn(2, 256, 1152, device="cuda", generator=g).to(dtype)
     assert ma.gelu_mlp_applies(x, "gelu") and not ma.gelu_mlp_applies(x.float(), "gelu")
     y = ma.gelu_mlp(x, w1, b1, w2, b2)
     got = [y, *torch.autograd.grad(y, (x, w1, b1, w2, b2), grad_y)]
