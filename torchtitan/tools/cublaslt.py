@@ -166,6 +166,25 @@ def _check_operands(*tensors: Tensor) -> None:
                              f"on {t.device}, contiguous={t.is_contiguous()}")  # fmt: skip
 
 
+def _run_epilogue(name: str, trans_a: int, a: Tensor, b: Tensor, out: Tensor, mnk: tuple[int, int, int],
+                  epilogue: int, bias: Tensor | None, aux: Tensor) -> str:  # fmt: skip
+    """out = op(a) b with the epilogue, a and b being cuBLAS's A and B (module docstring): "" where cuBLASLt ran it,
+    else why it could not (then nothing was written)."""
+    # Fresh allocations are aligned; a view at an offset may not be, and the heuristic's algorithm would not run it.
+    if any(t.data_ptr() % _ALIGNMENT for t in (a, b, out, bias, aux) if t is not None):
+        return f"operands not {_ALIGNMENT}-byte aligned"
+    (M, N, K), dtype = mnk, out.dtype
+    try:
+        lt = _library()
+        a_shape = (K, N) if trans_a == _OP_T else (N, K)
+        plan = lt.plan((name, M, N, K, dtype, out.device), trans_a, a_shape, (K, M), (N, M), _DTYPES[dtype], epilogue,
+                       bias, aux)  # fmt: skip
+    except _Unavailable as e:
+        return str(e)
+    lt.matmul(plan, a, b, out, bias, aux)
+    return ""
+
+
 def gelu_aux_bias(x: Tensor, weight: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
     """(gelu_tanh(x w^T + b), x w^T + b) for x (M, K), w (N, K), b (N,), all bf16 or all fp16 (cuBLASLt has no such
     kernel for an fp32 bias with bf16 operands)."""
@@ -173,20 +192,12 @@ def gelu_aux_bias(x: Tensor, weight: Tensor, bias: Tensor) -> tuple[Tensor, Tens
     if not x.dtype == weight.dtype == bias.dtype:
         raise ValueError(f"gelu_aux_bias needs one dtype, got x {x.dtype}, weight {weight.dtype}, bias {bias.dtype}")
     (M, K), N = x.shape, weight.shape[0]
-    # Fresh allocations are aligned; a view at an offset may not be, and the heuristic's algorithm would not run it.
-    if any(t.data_ptr() % _ALIGNMENT for t in (x, weight, bias)):
-        return _gelu_aux_bias_torch(x, weight, bias, f"operands not {_ALIGNMENT}-byte aligned")
-    try:
-        lt = _library()
-    except _Unavailable as e:
-        return _gelu_aux_bias_torch(x, weight, bias, str(e))
     h, pre = x.new_empty(M, N), x.new_empty(M, N)
-    key = ("gelu_aux_bias", M, N, K, x.dtype, x.device)
-    try:
-        plan = lt.plan(key, _OP_T, (K, N), (K, M), (N, M), _DTYPES[x.dtype], _EPILOGUE_GELU_AUX_BIAS, bias, pre)
-    except _Unavailable as e:
-        return _gelu_aux_bias_torch(x, weight, bias, str(e))
-    lt.matmul(plan, weight, x, h, bias, pre)
+    reason = _run_epilogue("gelu_aux_bias", _OP_T, weight, x, h, (M, N, K), _EPILOGUE_GELU_AUX_BIAS, bias, pre)
+    if reason:  # the same maths in two passes
+        _warn_once(f"gelu_aux_bias: {reason}; running the GEMM and GELU apart")
+        pre = torch.nn.functional.linear(x, weight, bias)
+        return torch.nn.functional.gelu(pre, approximate="tanh"), pre
     return h, pre
 
 
@@ -197,26 +208,12 @@ def matmul_dgelu(grad: Tensor, weight: Tensor, pre: Tensor) -> Tensor:
     if not grad.dtype == weight.dtype == pre.dtype:
         raise ValueError(f"matmul_dgelu needs one dtype, got grad {grad.dtype}, weight {weight.dtype}, pre {pre.dtype}")
     (M, K), N = grad.shape, weight.shape[1]
-    if any(t.data_ptr() % _ALIGNMENT for t in (grad, weight, pre)):
-        return _matmul_dgelu_torch(grad, weight, pre, f"operands not {_ALIGNMENT}-byte aligned")
-    try:
-        lt = _library()
-    except _Unavailable as e:
-        return _matmul_dgelu_torch(grad, weight, pre, str(e))
     out = grad.new_empty(M, N)
-    key = ("dgelu", M, N, K, grad.dtype, grad.device)
-    try:
-        plan = lt.plan(key, _OP_N, (N, K), (K, M), (N, M), _DTYPES[grad.dtype], _EPILOGUE_DGELU, None, pre)
-    except _Unavailable as e:
-        return _matmul_dgelu_torch(grad, weight, pre, str(e))
-    lt.matmul(plan, weight, grad, out, None, pre)
+    reason = _run_epilogue("dgelu", _OP_N, weight, grad, out, (M, N, K), _EPILOGUE_DGELU, None, pre)
+    if reason:  # the same maths in two passes
+        _warn_once(f"matmul_dgelu: {reason}; running the GEMM and GELU's gradient apart")
+        return torch.ops.aten.gelu_backward(grad @ weight, pre, approximate="tanh")
     return out
-
-
-def _matmul_dgelu_torch(grad: Tensor, weight: Tensor, pre: Tensor, reason: str) -> Tensor:
-    """The same maths in two passes, where cuBLASLt cannot run it (warned once per reason)."""
-    _warn_once(f"matmul_dgelu: {reason}; running the GEMM and GELU's gradient apart")
-    return torch.ops.aten.gelu_backward(grad @ weight, pre, approximate="tanh")
 
 
 _warned: set[str] = set()
@@ -226,10 +223,3 @@ def _warn_once(message: str) -> None:
     if message not in _warned:
         _warned.add(message)
         logger.warning(message)
-
-
-def _gelu_aux_bias_torch(x: Tensor, weight: Tensor, bias: Tensor, reason: str) -> tuple[Tensor, Tensor]:
-    """The same maths in two passes, where cuBLASLt cannot run it (warned once per reason)."""
-    _warn_once(f"gelu_aux_bias: {reason}; running the GEMM and GELU apart")
-    pre = torch.nn.functional.linear(x, weight, bias)
-    return torch.nn.functional.gelu(pre, approximate="tanh"), pre
