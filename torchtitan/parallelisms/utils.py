@@ -71,18 +71,23 @@ def apply_compile(model: nn.Module, mode: str = "default", scope: str = "block")
     logger.info(f"compiled {what} with torch.compile(fullgraph=True, mode={mode!r})")
 
 
+def reshards_after_forward(mode: str, num_blocks: int) -> tuple[list[bool], bool]:
+    """`parallelism.fsdp_reshard_after_forward` as fully_shard's flag for each block and for the root: "always"
+    frees every gathered parameter after forward, "never" keeps them all for backward, "default" frees all but the
+    last block's (backward needs those right away) and the root's."""
+    if mode == "default":
+        return [index < num_blocks - 1 for index in range(num_blocks)], False
+    return [mode == "always"] * num_blocks, mode == "always"
+
+
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, param_dtype: torch.dtype,
                reduce_dtype: torch.dtype, reshard_after_forward: str) -> None:  # fmt: skip
     """FSDP2 fully_shard per block, then the root (HSDP when the mesh is 2D)."""
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    for index, block in enumerate(blocks):
-        if reshard_after_forward == "default":
-            # The last block's parameters are needed again right away by backward: keep them gathered.
-            reshard = index < len(blocks) - 1
-        else:
-            reshard = reshard_after_forward == "always"
+    block_flags, root_flag = reshards_after_forward(reshard_after_forward, len(blocks))
+    for block, reshard in zip(blocks, block_flags, strict=True):
         fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward == "always")
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=root_flag)
 
 
 def apply_ddp(model: nn.Module, mesh: DeviceMesh, compiled: bool) -> None:

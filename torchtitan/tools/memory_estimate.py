@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from torchtitan.models.dit.model import POS_EMBEDS, DiTArgs
+from torchtitan.parallelisms.utils import reshards_after_forward
 
 PRECISIONS = ("fp32", "bf16_autocast", "bf16_fsdp")
 MIB, GIB = 1024**2, 1024**3
@@ -310,9 +311,9 @@ def estimate_memory(args: DiTArgs, batch: int, precision: str = "bf16_autocast",
         block = sum(v for n, v in gathered.items() if n.startswith("blocks.0."))
         root = sum(v for n, v in gathered.items() if not n.startswith("blocks."))
         compute = 4 if precision == "fp32" else 2
-        # Which modules keep their gathered parameters from forward to backward (see apply_fsdp).
-        blocks_kept = {"default": 1, "never": args.depth, "always": 0}[reshard_after_forward]
-        root_kept = 0 if reshard_after_forward == "always" else root
+        # Which modules keep their gathered parameters from forward to backward: apply_fsdp's flags.
+        block_flags, root_flag = reshards_after_forward(reshard_after_forward, args.depth)
+        blocks_kept, root_kept = block_flags.count(False), 0 if root_flag else root
         kept = f"the root and {blocks_kept} of {args.depth} blocks" if root_kept else "nothing"
         est.parts["fsdp_gathered"] = (root_kept + blocks_kept * block) * compute
         transient = 2 * block * compute + 2 * block * 4  # gathered block + prefetch; unsharded grad + RS buffer
