@@ -153,7 +153,7 @@ def test_compiled_attention_matches_module_path_on_cuda():
 @pytest.mark.parametrize("mode,option", [("none", "op"), ("full", "op"), ("selective", "op")])
 def test_compiled_checkpointed_dit_matches_module_path_on_cuda(mode, option, flag):
     # As the trainer builds it: activation checkpointing, then per-block torch.compile(fullgraph=True), bf16 autocast.
-    # The qkv autograd function (fused_qkv), and the MLP's cuBLASLt GEMM with its Triton backward (fused_mlp), trace
+    # The qkv autograd function (fused_qkv), and the MLP as one op of cuBLASLt GEMMs (fused_mlp), trace
     # inside the checkpointed, compiled blocks; output and gradients match the module path's within bf16 tolerance.
     from torchtitan.models.dit.parallelize import apply_dit_ac
     from torchtitan.parallelisms.utils import apply_compile

@@ -159,11 +159,15 @@ def _library() -> _CublasLt:
     return _lt
 
 
-def _check_operands(*tensors: Tensor) -> None:
-    for t in tensors:
+def _check_operands(what: str, **tensors: Tensor) -> None:
+    """cuBLASLt reads raw pointers: contiguous CUDA tensors, all bf16 or all fp16."""
+    for t in tensors.values():
         if not t.is_cuda or not t.is_contiguous() or t.dtype not in _DTYPES:
             raise ValueError(f"cuBLASLt operands must be contiguous CUDA tensors, got {t.dtype} {tuple(t.shape)} "
                              f"on {t.device}, contiguous={t.is_contiguous()}")  # fmt: skip
+    if len({t.dtype for t in tensors.values()}) > 1:
+        dtypes = ", ".join(f"{name} {t.dtype}" for name, t in tensors.items())
+        raise ValueError(f"{what} needs one dtype, got {dtypes}")
 
 
 def _run_epilogue(name: str, trans_a: int, a: Tensor, b: Tensor, out: Tensor, mnk: tuple[int, int, int],
@@ -188,9 +192,7 @@ def _run_epilogue(name: str, trans_a: int, a: Tensor, b: Tensor, out: Tensor, mn
 def gelu_aux_bias(x: Tensor, weight: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
     """(gelu_tanh(x w^T + b), x w^T + b) for x (M, K), w (N, K), b (N,), all bf16 or all fp16 (cuBLASLt has no such
     kernel for an fp32 bias with bf16 operands)."""
-    _check_operands(x, weight, bias)
-    if not x.dtype == weight.dtype == bias.dtype:
-        raise ValueError(f"gelu_aux_bias needs one dtype, got x {x.dtype}, weight {weight.dtype}, bias {bias.dtype}")
+    _check_operands("gelu_aux_bias", x=x, weight=weight, bias=bias)
     (M, K), N = x.shape, weight.shape[0]
     h, pre = x.new_empty(M, N), x.new_empty(M, N)
     reason = _run_epilogue("gelu_aux_bias", _OP_T, weight, x, h, (M, N, K), _EPILOGUE_GELU_AUX_BIAS, bias, pre)
@@ -204,9 +206,7 @@ def gelu_aux_bias(x: Tensor, weight: Tensor, bias: Tensor) -> tuple[Tensor, Tens
 def matmul_dgelu(grad: Tensor, weight: Tensor, pre: Tensor) -> Tensor:
     """(grad @ weight) * gelu_tanh'(pre) for grad (M, K), weight (K, N), pre (M, N), all bf16 or all fp16: the
     gradient of a GELU's input, from that of the Linear (weight (K, N)) that reads the GELU's output."""
-    _check_operands(grad, weight, pre)
-    if not grad.dtype == weight.dtype == pre.dtype:
-        raise ValueError(f"matmul_dgelu needs one dtype, got grad {grad.dtype}, weight {weight.dtype}, pre {pre.dtype}")
+    _check_operands("matmul_dgelu", grad=grad, weight=weight, pre=pre)
     (M, K), N = grad.shape, weight.shape[1]
     out = grad.new_empty(M, N)
     reason = _run_epilogue("dgelu", _OP_N, weight, grad, out, (M, N, K), _EPILOGUE_DGELU, None, pre)
