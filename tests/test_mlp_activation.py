@@ -163,3 +163,17 @@ def test_gelu_mlp_on_cuda(monkeypatch, dtype, bias_dtype, fallback):
         torch.testing.assert_close(
             a.double(), b, rtol=2e-2, atol=2e-2 * b.abs().max().item(), msg=lambda m, name=name: f"{name}: {m}"
         )
+
+
+@needs_cuda_triton
+def test_weight_grad_on_cuda():
+    # gelu_mlp's weight gradients at fc1's shape: 512 rows run as 4 blocks of a batched GEMM with float32 results.
+    # Against fp64 maths on the same bf16 values: one rounding to bf16 of a float32 sum, within 2^-8 of each element
+    # (atol for float32 accumulation near zero). 510 rows (not a multiple of 4) take the one GEMM as it was.
+    g = torch.Generator(device="cuda").manual_seed(0)
+    grad = torch.randn(512, 4608, device="cuda", generator=g).bfloat16()
+    x = torch.randn(512, 1152, device="cuda", generator=g).bfloat16()
+    got = ma._weight_grad(grad, x)
+    assert got.dtype == torch.bfloat16 and got.shape == (4608, 1152)
+    torch.testing.assert_close(got.double(), grad.double().t() @ x.double(), rtol=2**-8, atol=1e-5)
+    assert torch.equal(ma._weight_grad(grad[:510], x[:510]), grad[:510].t() @ x[:510])

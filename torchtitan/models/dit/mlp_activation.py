@@ -35,6 +35,12 @@ ACTIVATIONS = ("gelu", "swiglu")
 # 0.5B's (benchmarks.md, 2026-11-24 evening).
 LAUNCH = {"block_n": 128, "block_m": 32, "warps": 4, "bwd_block_n": 128, "bwd_block_m": 16, "bwd_warps": 2,
           "bwd_rows": 128}  # fmt: skip
+# `gelu_mlp`'s two weight gradients, each a sum over every token: the tokens split into this many equal blocks, one
+# batched GEMM with a float32 result per block, then added (1 or a count that does not divide the tokens: one GEMM).
+# A (4608, 1152) result has too few tiles to fill an H100 well; four blocks of tokens run as one launch do. At
+# DiT-XL/2's batch 224 on an H100, 4 blocks were 1.2-1.5% faster a step than one GEMM, 2 and 8 slower or level
+# (docs/benchmarks.md, 2026-11-25 morning).
+WGRAD_SPLITS = 4
 
 
 def activation(h: Tensor, kind: str) -> Tensor:
@@ -92,10 +98,21 @@ def _gelu_mlp_backward(ctx, grad_y, _grad_h, _grad_pre):
     grad_pre = _matmul_dgelu(grad_y, w2.contiguous(), pre)  # (M, H): fc2's input gradient through the GELU
     grad_b1 = grad_pre.sum(0, dtype=torch.float32).to(ctx.bias_dtypes[0])
     grad_b2 = grad_y.sum(0, dtype=torch.float32).to(ctx.bias_dtypes[1])
-    return grad_pre @ w1, grad_pre.t() @ x, grad_b1, grad_y.t() @ h, grad_b2
+    return grad_pre @ w1, _weight_grad(grad_pre, x), grad_b1, _weight_grad(grad_y, h), grad_b2
 
 
 _gelu_mlp.register_autograd(_gelu_mlp_backward, setup_context=_gelu_mlp_setup_context)
+
+
+def _weight_grad(grad: Tensor, x: Tensor) -> Tensor:
+    """grad.t() @ x for grad (M, N), x (M, K), in grad's dtype: over WGRAD_SPLITS blocks of rows as one batched GEMM
+    with float32 results, added in float32 and rounded once, as the one GEMM's float32 accumulator would be."""
+    m, splits = grad.shape[0], WGRAD_SPLITS
+    if splits <= 1 or m % splits:
+        return grad.t() @ x
+    blocks = torch.bmm(grad.reshape(splits, m // splits, -1).transpose(1, 2), x.reshape(splits, m // splits, -1),
+                       out_dtype=torch.float32)  # fmt: skip
+    return blocks.sum(0).to(grad.dtype)
 
 
 @torch.library.custom_op("torchditan::matmul_dgelu", mutates_args=(), device_types="cuda")
