@@ -165,9 +165,12 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Conv2d(in_channels, dim, kernel_size=patch_size, stride=patch_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Contiguous (B, T, D): as a transposed view of the conv's (B, D, T), the layout would carry through every
-        # compiled block (Inductor keeps an input's stride order), and each norm would read D with stride T.
-        return self.proj(x).flatten(2).transpose(1, 2).contiguous()  # (B, T, D)
+        # A channels-last input makes the convolution write (B, H', W', D) memory, which is (B, T, D) as a view:
+        # no transposing copy in forward or backward, and no layout conversions inside cuDNN. Contiguous (B, T, D)
+        # matters: a transposed view would carry through every compiled block (Inductor keeps an input's stride
+        # order), and each norm would read D with stride T.
+        x = x.contiguous(memory_format=torch.channels_last)
+        return self.proj(x).flatten(2).transpose(1, 2).contiguous()  # (B, T, D); a no-op copy
 
 
 class LearnedPosEmbed(nn.Module):
