@@ -49,6 +49,8 @@ def test_resolved_config_round_trips(tmp_path):
         ("[training]\ndataset = 'imagefolder'\n", ["training.dataset_path"]),
         ("[parallelism]\ndata_parallel_shard_degree = 0\n", ["data_parallel_shard_degree"]),
         ("[training]\nema_decay = 1.5\n", ["training.ema_decay"]),
+        ("[compile]\nmode = 'max-autotune'\n", ["compile.mode", "job.toml", "CUDA graphs", "no-cudagraphs"]),
+        ("[compile]\nmode = 'fast'\n", ["compile.mode", "job.toml", "max-autotune-no-cudagraphs"]),
     ],
 )
 def test_bad_toml_names_key_and_file(tmp_path, text, fragments):
