@@ -110,6 +110,8 @@ def main() -> None:
         if int(os.environ.get("RANK", "0")) == 0:
             print("BENCHMARK_RESULT " + json.dumps(result), flush=True)
         return
+    from torchtitan.tools.batch_size_finder import ran_out_of_memory
+
     results = []
     for case in args.case or ["default="]:
         name, _, overrides = case.partition("=")
@@ -123,7 +125,7 @@ def main() -> None:
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("BENCHMARK_RESULT ")]
         if proc.returncode != 0 or not lines:
-            oom = "OutOfMemoryError" in proc.stderr or "out of memory" in proc.stderr
+            oom = ran_out_of_memory(proc.stderr)
             results.append({"name": name, "status": "OOM" if oom else f"failed ({proc.returncode})"})
             print(proc.stderr[-3000:], file=sys.stderr)
         else:

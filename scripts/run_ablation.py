@@ -126,6 +126,8 @@ def train_command(spec: RunSpec, steps: int, output_dir: Path, extra: list[str])
 
 def execute(spec: RunSpec, cmd: list[str], run_dir: Path, timeout: float | None = None) -> dict:
     """Runs one command, its output to run_dir/train.log; writes and returns status.json's content."""
+    from torchtitan.tools.batch_size_finder import ran_out_of_memory
+
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # train.py appends: a rerun starts clean
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -139,7 +141,7 @@ def execute(spec: RunSpec, cmd: list[str], run_dir: Path, timeout: float | None 
     text = (run_dir / "train.log").read_text(errors="replace")
     if returncode == 0:
         status = "ok"
-    elif "OutOfMemoryError" in text or "out of memory" in text:
+    elif ran_out_of_memory(text):
         status = "OOM"
     else:
         status = "timeout" if returncode == -9 else "failed"

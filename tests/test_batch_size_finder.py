@@ -16,6 +16,7 @@ from torchtitan.tools.batch_size_finder import (
     find_max_batch_size,
     find_max_local_batch_size,
     largest_divisor_at_most,
+    ran_out_of_memory,
     resolve_local_batch_size,
 )
 from torchtitan.tools.logging import logger
@@ -156,3 +157,13 @@ def test_trainer_refuses_auto_on_cpu(tmp_path):
                         str(tmp_path)], check=False)  # fmt: skip
     assert result.returncode == 2
     assert "training.local_batch_size = 'auto'" in result.stderr and "CUDA" in result.stderr
+
+
+def test_only_torch_cuda_oom_counts_as_out_of_memory():
+    # torch's error, and the line Inductor's autotuning logs (and survives) when a Triton GEMM config needs more
+    # shared memory than the GPU has: the second must not pass for a memory limit (it did, on an H100, 2026-11-25).
+    torch_oom = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity"
+    triton = ("RuntimeError: No valid triton configs. OutOfMemoryError: out of resource: triton_mm Required: 262144 "
+              "Hardware limit:232448 Reducing block sizes or `num_stages` may help.")  # fmt: skip
+    assert ran_out_of_memory(torch_oom) and ran_out_of_memory(triton + "\n" + torch_oom)
+    assert not ran_out_of_memory(triton) and not ran_out_of_memory("RuntimeError: check_memory_pool")

@@ -52,6 +52,12 @@ class ProbeFailed(RuntimeError):
     """A probe failed for a reason other than running out of memory."""
 
 
+def ran_out_of_memory(output: str) -> bool:
+    """Whether a failed run's output shows torch's CUDA out-of-memory error. Not Triton's "out of resource"
+    (shared memory of a GEMM config), which Inductor's autotuning logs as an `OutOfMemoryError` and survives."""
+    return "CUDA out of memory" in output
+
+
 def find_max_batch_size(probe: Callable[[int], Probe], start: int, limit: int = 4096,
                         multiple_of: int = 1) -> tuple[int, list[Probe]]:  # fmt: skip
     """Largest batch (a multiple of `multiple_of`, at most `limit`) for which `probe` runs; 0 if none.
