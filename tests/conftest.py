@@ -26,6 +26,14 @@ needs_cuda_triton = pytest.mark.skipif(
 torch.set_num_threads(2)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Dynamo's recompile limit (8 per code object) counts across the tests of one process: several tests compile
+    DiTBlock.forward with other configs, and a fullgraph compile past the limit fails (seen on an H100 when the
+    CUDA tests of four files ran in one process). Each test starts from no compiled code."""
+    torch._dynamo.reset()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
