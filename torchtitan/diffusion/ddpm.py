@@ -22,8 +22,14 @@ def _betas(schedule: str, num_timesteps: int) -> torch.Tensor:
     return (1 - alpha_bar[1:] / alpha_bar[:-1]).clamp(max=0.999)
 
 
-def _normal_kl(mean1, logvar1, mean2, logvar2):
-    return 0.5 * (-1.0 + logvar2 - logvar1 + torch.exp(logvar1 - logvar2) + (mean1 - mean2) ** 2 * torch.exp(-logvar2))
+def _normal_kl(mean_gap, logvar_gap, logvar2):
+    """KL(N(mean1, e^logvar1) || N(mean2, e^logvar2)) from mean_gap = mean1 - mean2, logvar_gap = logvar2 - logvar1.
+
+    ADM's normal_kl, rearranged for float32: -1 + d + exp(-d) is about d^2 / 2, and summing it from two rounded
+    log-variances (about -9 at small t) leaves few digits of a result near 0.01; expm1 and a gap formed
+    directly keep them.
+    """
+    return 0.5 * (logvar_gap + torch.expm1(-logvar_gap) + mean_gap**2 * torch.exp(-logvar2))
 
 
 def _discretized_gaussian_log_likelihood(x, means, log_scales):
@@ -56,15 +62,29 @@ class GaussianDiffusion:
         alphas_cumprod = torch.cumprod(1.0 - betas, dim=0)
         alphas_cumprod_prev = torch.cat([torch.ones(1, dtype=torch.float64), alphas_cumprod[:-1]])
         posterior_variance = betas * (1.0 - alphas_cumprod_prev) / (1.0 - alphas_cumprod)
-        # Kept in float64 on CPU; gathered per batch and cast to float32 on the data's device.
+        # Every table is built here in float64 and cast to float32 only at use, as DiT's gaussian_diffusion.py
+        # does with numpy float64 arrays: near t = 0, 1 - alphas_cumprod is about 1e-4, so forming it (or its
+        # square root) from a float32 alphas_cumprod loses about 3 digits, and the loss with the variational
+        # bound was off from a float64 computation by 1e-5 to 1e-4 relative at t <= 2.
+        posterior_log_variance_clipped = torch.log(torch.cat([posterior_variance[1:2], posterior_variance[1:]]))
         self.table = {
             "betas": betas,
+            "log_betas": torch.log(betas),
             "alphas_cumprod": alphas_cumprod,
             "alphas_cumprod_prev": alphas_cumprod_prev,
-            "posterior_log_variance_clipped": torch.log(torch.cat([posterior_variance[1:2], posterior_variance[1:]])),
+            "sqrt_alphas_cumprod": alphas_cumprod.sqrt(),
+            "sqrt_one_minus_alphas_cumprod": (1.0 - alphas_cumprod).sqrt(),
+            "sqrt_recip_alphas_cumprod": (1.0 / alphas_cumprod).sqrt(),
+            "sqrt_recipm1_alphas_cumprod": (1.0 / alphas_cumprod - 1.0).sqrt(),
+            "posterior_variance": posterior_variance,
+            # The posterior variance is 0 at t = 0: its log is clipped to the t = 1 value (ADM).
+            "posterior_log_variance_clipped": posterior_log_variance_clipped,
+            # The span of iDDPM's learned log-variance, from the posterior's up to log(beta).
+            "log_variance_range": torch.log(betas) - posterior_log_variance_clipped,
             "posterior_mean_coef1": betas * alphas_cumprod_prev.sqrt() / (1.0 - alphas_cumprod),
             "posterior_mean_coef2": (1.0 - alphas_cumprod_prev) * (1.0 - betas).sqrt() / (1.0 - alphas_cumprod),
         }
+        # float32 copies per device, made once: casting before or after the gather gives the same values.
         self._device_tables: dict[torch.device, dict[str, torch.Tensor]] = {}
 
     def _gather(self, name: str, t: torch.Tensor, ndim: int) -> torch.Tensor:
@@ -91,8 +111,11 @@ class GaussianDiffusion:
         if noise is None:
             noise = torch.randn_like(x0)
         x0, noise = x0.float(), noise.float()
-        ac = self._gather("alphas_cumprod", t, x0.ndim)
-        x_t = ac.sqrt() * x0 + (1 - ac).sqrt() * noise
+        nd = x0.ndim
+        x_t = (
+            self._gather("sqrt_alphas_cumprod", t, nd) * x0
+            + self._gather("sqrt_one_minus_alphas_cumprod", t, nd) * noise
+        )
         out = model(x_t, t, y).float()
         C = x0.shape[1]
         eps_pred = out[:, :C]
@@ -102,24 +125,24 @@ class GaussianDiffusion:
             loss = loss + self._vb_term(eps_pred.detach(), out[:, C:], x0, x_t, t)
         return loss, t.float() / self.num_timesteps
 
-    def _p_mean_logvar(self, eps: torch.Tensor, var_values: torch.Tensor | None, x_t: torch.Tensor, t: torch.Tensor):
-        nd = x_t.ndim
-        ac = self._gather("alphas_cumprod", t, nd)
-        pred_x0 = (x_t - (1 - ac).sqrt() * eps) / ac.sqrt()
-        mean = self._gather("posterior_mean_coef1", t, nd) * pred_x0 + self._gather("posterior_mean_coef2", t, nd) * x_t
-        min_log = self._gather("posterior_log_variance_clipped", t, nd)
-        if var_values is None:
-            return mean, min_log, pred_x0
-        max_log = torch.log(self._gather("betas", t, nd))
-        frac = (var_values + 1) / 2  # the model outputs [-1, 1]; interpolate between the two bounds (iDDPM)
-        return mean, frac * max_log + (1 - frac) * min_log, pred_x0
-
     def _vb_term(self, eps, var_values, x0, x_t, t):
+        """The variational bound in bits per dimension (B,), as iDDPM's L_vlb.
+
+        KL(q(x_{t-1} | x_t, x0) || p(x_{t-1} | x_t)) for t > 0, the discretized decoder NLL at t = 0.
+        """
         nd = x0.ndim
-        true_mean = self._gather("posterior_mean_coef1", t, nd) * x0 + self._gather("posterior_mean_coef2", t, nd) * x_t
-        true_logvar = self._gather("posterior_log_variance_clipped", t, nd)
-        mean, logvar, _ = self._p_mean_logvar(eps, var_values, x_t, t)
-        kl = _normal_kl(true_mean, true_logvar, mean, logvar).flatten(1).mean(1) / math.log(2.0)
+        coef1 = self._gather("posterior_mean_coef1", t, nd)
+        pred_x0 = (
+            self._gather("sqrt_recip_alphas_cumprod", t, nd) * x_t
+            - self._gather("sqrt_recipm1_alphas_cumprod", t, nd) * eps
+        )
+        mean = coef1 * pred_x0 + self._gather("posterior_mean_coef2", t, nd) * x_t
+        # The model outputs [-1, 1]; its log-variance is that fraction of the way from the posterior's to
+        # log(beta) (iDDPM), so its gap above the posterior's is formed directly, without cancellation.
+        logvar_gap = (var_values + 1) / 2 * self._gather("log_variance_range", t, nd)
+        logvar = self._gather("posterior_log_variance_clipped", t, nd) + logvar_gap
+        # The true and the model's posterior means share coef2 x_t: they differ by exactly coef1 (x0 - pred_x0).
+        kl = _normal_kl(coef1 * (x0 - pred_x0), logvar_gap, logvar).flatten(1).mean(1) / math.log(2.0)
         nll = -_discretized_gaussian_log_likelihood(x0, mean, 0.5 * logvar).flatten(1).mean(1) / math.log(2.0)
         return torch.where(t == 0, nll, kl)
 
@@ -129,7 +152,7 @@ class GaussianDiffusion:
         x = noise.float()
         C = x.shape[1]
         timesteps = torch.linspace(self.num_timesteps - 1, 0, steps).round().long().unique_consecutive()
-        ac_all = self.table["alphas_cumprod"].float()
+        ac_all = self.table["alphas_cumprod"]  # float64: the step coefficients below are Python floats
         for i, t_int in enumerate(timesteps.tolist()):
             t = torch.full((x.shape[0],), t_int, device=x.device, dtype=torch.long)
             eps = model(x, t, y).float()[:, :C]
