@@ -9,7 +9,10 @@ them, else the newest complete DCP checkpoint under its checkpoint folder), a DC
 (`RUN/checkpoint/step-N`) or an exported `.safetensors` file. From a DCP checkpoint the EMA weights are
 loaded when it has them, else the live model's. Weights load into a plain single-process model: DCP reads
 every shard itself, so no process group is needed. Latent models are decoded through the run's
-`[latent]` tokenizer, un-normalized with the statistics stored beside the run's prepared data.
+`[latent]` tokenizer (its decoder alone), un-normalized with the statistics stored beside the run's
+prepared data; a tokenizer other than the one those latents were encoded with is refused before sampling.
+Arguments that cannot give images (`--cfg-scale nan`, `--num-samples 0`, ...) exit with code 2 and one
+`error:` line naming the flag.
 
 With `--npz`, N samples are written as `arr_0` (N, H, W, 3) uint8 (grey images repeated to RGB) and
 their labels as `arr_1`, the format of ADM's evaluation suite. Under torchrun each rank generates every
@@ -19,6 +22,7 @@ world_size-th batch and rank 0 assembles them in order. Batch b's noise comes fr
 """
 
 import argparse
+import math
 import os
 import sys
 import warnings
@@ -115,11 +119,16 @@ class Sampler:
     def __init__(self, cfg: JobConfig, model, model_args, device: torch.device, args: argparse.Namespace):
         self.cfg, self.model, self.model_args, self.device = cfg, model, model_args, device
         self.diffusion = build_diffusion(cfg.diffusion, model_args.learn_sigma)
-        self.steps = args.steps or cfg.sampling.steps
+        self.steps = cfg.sampling.steps if args.steps is None else args.steps
         self.sampler = args.sampler or cfg.sampling.sampler
         self.cfg_scale = cfg.sampling.cfg_scale if args.cfg_scale is None else args.cfg_scale
         self.seed = args.seed
         self.autocast = device.type == "cuda"
+        if cfg.latent.tokenizer:
+            from cosmos_latent_decoder import load_training_decoder
+
+            # Before any sampling: a tokenizer other than the prepared latents' is refused now, not after a batch.
+            load_training_decoder(cfg, device)
 
     @torch.no_grad()
     def batch(self, index: int, labels: torch.Tensor | None, size: int) -> torch.Tensor:
@@ -142,6 +151,8 @@ class Sampler:
 def labels_for(num: int, classes: list[int], num_classes: int) -> torch.Tensor | None:
     """Labels of samples 0..num-1: cycling through `classes` (or all classes); None if unconditional."""
     if num_classes == 0:
+        if classes:
+            raise ValueError(f"--classes {classes}: the model is unconditional (model.num_classes = 0)")
         return None
     classes = classes or list(range(num_classes))
     bad = [c for c in classes if not 0 <= c < num_classes]
@@ -204,7 +215,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cfg-scale", type=float, default=None, help="default: the run's sampling.cfg_scale")
     parser.add_argument("--sampler", default="", choices=("", "default", "ddim", "euler", "heun"),
                         help="default: the run's sampling.sampler")  # fmt: skip
-    parser.add_argument("--steps", type=int, default=0, help="sampler steps (default: the run's sampling.steps)")
+    parser.add_argument("--steps", type=int, default=None, help="sampler steps (default: the run's sampling.steps)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--out", default="samples.png", help="PNG grid")
@@ -214,12 +225,37 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def parse_classes(text: str) -> list[int]:
+    """`--classes "1,2,3"` -> [1, 2, 3]; raises naming the flag."""
+    try:
+        return [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        raise ValueError(f"--classes {text!r}: must be comma-separated class indices, e.g. 1,2,3") from None
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Raises ValueError naming the flag of an argument that cannot give images (a NaN guidance scale gives a
+    black grid, zero samples an empty one)."""
+    for flag in ("num_samples", "batch_size", "steps"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise ValueError(f"--{flag.replace('_', '-')} {value}: must be > 0")
+    if args.cfg_scale is not None and not math.isfinite(args.cfg_scale):
+        raise ValueError(f"--cfg-scale {args.cfg_scale}: must be a finite number (1: no guidance)")
+
+
 def main(argv: list[str] | None = None) -> int:
     init_logger()
     args = parse(argv)
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    if world > 1 and not args.npz:
-        raise SystemExit("error: several ranks only make sense with --npz")
+    try:
+        check_args(args)
+        classes = parse_classes(args.classes)
+        if world > 1 and not args.npz:
+            raise ValueError(f"{world} ranks write one grid: several ranks only make sense with --npz")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if world > 1:
         dist.init_process_group("gloo")  # barriers only; samples travel through part files
     device = torch.device("cpu")
@@ -230,11 +266,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg, weights = resolve_checkpoint(Path(args.checkpoint), args.config)
         cfg.latent.checkpoint_dir = args.tokenizer_dir or cfg.latent.checkpoint_dir
         cfg.training.dataset_path = args.latent_stats or cfg.training.dataset_path
-        classes = [int(c) for c in args.classes.split(",") if c.strip()]
         model, model_args = load_model(cfg, weights, device)
         sampler = Sampler(cfg, model, model_args, device, args)
         path = write_npz(sampler, args, classes, rank, world) if args.npz else write_grid(sampler, args, classes)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, RuntimeError) as e:  # RuntimeError: a tokenizer file, named
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:

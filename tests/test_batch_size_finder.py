@@ -143,7 +143,7 @@ def test_auto_under_torchrun_takes_the_estimate_without_probing():
 
 
 def test_auto_fails_clearly():
-    with pytest.raises(ConfigError, match=r"training.local_batch_size = 'auto' in .*debug_model.toml.*CUDA"):
+    with pytest.raises(ConfigError, match=r"training.local_batch_size = 'auto' in the command line.*CUDA"):
         resolve_local_batch_size(auto_config(), 1, 1, "cpu", probe=never)
     with pytest.raises(ConfigError, match="not even a batch of 1"):
         resolve_local_batch_size(auto_config(), 1, 1, "cuda", memory_bytes=GIB, probe=planted(0, []))

@@ -136,3 +136,202 @@ def test_fused_kernel_overrides_reach_the_model(key):
     assert getattr(build_model_args(spec, parse_args([]).model), key) is True  # the flavor's default
     with pytest.raises(ConfigError, match=f"model.{key}"):
         parse_args([f"--model.{key}", "yes"])
+
+
+def test_help_prints_each_key_default_once(capsys, monkeypatch):
+    from torchtitan.config_manager import _leaf_keys
+
+    monkeypatch.setenv("COLUMNS", "10000")  # no wrapping inside a key's help text
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    text = capsys.readouterr().out.split("\n\n[job]:")[1]  # the keys, after the usage line
+    # One line per key, its help joined (a blank line ends a section's last key).
+    lines = [" ".join(block.split("\n\n")[0].split()) for block in text.split("\n  --")[1:]]
+    assert len(lines) == len(_leaf_keys())
+    for line in lines:
+        assert line.count("(default:") == 1, line
+        assert "(default: None)" not in line, line
+    by_key = {"--" + line.split()[0]: line for line in lines}
+    assert by_key["--optimizer.lr"].endswith("(default: 0.0001)")
+    assert by_key["--training.dataset"].endswith('(default: "digits")')
+    assert by_key["--checkpoint.load_step"].endswith("(default: -1)")
+    assert by_key["--model.qk_norm"].endswith("keeps the flavor's. (default: unset)")
+    assert by_key["--training.local_batch_size"].endswith("(default: 32)")
+    assert by_key["--model.sdpa_backends"].endswith('(default: ["cudnn", "flash", "efficient", "math"])')
+
+
+@pytest.mark.parametrize("key", ["qk_norm", "learn_sigma", "fused_norm", "fused_mlp", "fused_qkv"])
+@pytest.mark.parametrize("value", [True, False, None])
+@pytest.mark.parametrize("given_in", ["toml", "cli"])
+def test_model_booleans_are_optional_booleans_that_round_trip(tmp_path, key, value, given_in):
+    from torchtitan.train_spec import build_model_args, get_train_spec
+
+    word = {True: "true", False: "false", None: None}[value]
+    if value is None:
+        argv = []
+    elif given_in == "toml":
+        argv = ["--job.config_file", write(tmp_path, f"[model]\n{key} = {word}\n")]  # a TOML boolean, not a string
+    else:
+        argv = [f"--model.{key}", word]
+    cfg = parse_args(argv)
+    assert getattr(cfg.model, key) is value
+    flavor = get_train_spec("dit").model_args["debug"]
+    expected = getattr(flavor, key) if value is None else value
+    assert getattr(build_model_args(get_train_spec("dit"), cfg.model), key) is expected
+    text = to_toml(cfg)
+    assert (f"\n{key} = {word}\n" in text) if value is not None else (f"\n{key} =" not in text)  # TOML has no null
+    written = tmp_path / "written.toml"
+    written.write_text(text)
+    again = parse_args(["--job.config_file", str(written)])
+    again.job.config_file = cfg.job.config_file
+    assert again == cfg
+    assert getattr(again.model, key) is value
+
+
+def test_model_string_overrides_are_optional_and_old_configs_still_parse(tmp_path):
+    cfg = parse_args(["--job.config_file", write(tmp_path, '[model]\nnorm = "rmsnorm"\nlearn_sigma = "true"\n')])
+    assert cfg.model.norm == "rmsnorm" and cfg.model.learn_sigma is True  # train_configs wrote "true" strings
+    assert cfg.model.mlp is None and cfg.model.pos_embed is None
+    # A config.toml written before the change (which sample.py reads from a run folder): '' meant unset.
+    old = '[model]\npos_embed = ""\nnorm = ""\nmlp = ""\nqk_norm = ""\nfused_norm = ""\nfused_mlp = "false"\n'
+    cfg = parse_args(["--job.config_file", write(tmp_path, old)])
+    assert (cfg.model.pos_embed, cfg.model.norm, cfg.model.qk_norm, cfg.model.fused_norm) == (None, None, None, None)
+    assert cfg.model.fused_mlp is False
+    assert parse_args(["--job.config_file", write(tmp_path, "[model]\nqk_norm = true\n"), "--model.qk_norm", ""]
+                      ).model.qk_norm is None  # fmt: skip
+    with pytest.raises(ConfigError, match=r"model.qk_norm = 'yes' in .*job.toml: expected bool"):
+        parse_args(["--job.config_file", write(tmp_path, "[model]\nqk_norm = 'yes'\n")])
+    with pytest.raises(ConfigError, match=r"model.norm = 'batchnorm' in the command line: must be one of"):
+        parse_args(["--model.norm", "batchnorm"])
+
+
+def test_every_key_knows_its_source(tmp_path):
+    import copy
+    import dataclasses
+
+    path = write(tmp_path, "[training]\nsteps = 7\nlocal_batch_size = 4\n[optimizer]\nlr = 0.5\n")
+    cfg = parse_args(["--job.config_file", path, "--training.steps", "9", "--dp.delta", "1e-6"])
+    assert cfg.source_of("training.steps") == "the command line"  # the CLI overrode the TOML's value
+    assert cfg.source_of("training.local_batch_size") == path
+    assert cfg.source_of("optimizer.lr") == path
+    assert cfg.source_of("dp.delta") == "the command line"
+    assert cfg.source_of("job.config_file") == "the command line"
+    assert cfg.source_of("optimizer.eps") == "the defaults"
+    assert JobConfig().source_of("optimizer.lr") == "the defaults"
+    with pytest.raises(KeyError, match="optimizer.learning_rate"):
+        cfg.source_of("optimizer.learning_rate")
+    for twin in (dataclasses.replace(cfg), copy.deepcopy(cfg), copy.copy(cfg)):
+        assert twin.source_of("optimizer.lr") == path and twin.source_of("training.steps") == "the command line"
+    twin = dataclasses.replace(cfg)
+    twin._sources["optimizer.lr"] = "elsewhere"
+    assert cfg.source_of("optimizer.lr") == path  # a copy's sources are its own
+    assert "_sources" not in to_toml(cfg) and "_sources" not in cfg.to_dict() and "the command line" not in to_toml(cfg)
+
+
+@pytest.mark.parametrize("cli_key, cli_value, error", [
+    ("--training.steps", "0", "training.steps = 0 in the command line: must be > 0"),
+    ("--optimizer.lr", "nan", "optimizer.lr = nan in the command line: must be a finite number"),
+    ("--training.local_batch_size", "-2", "training.local_batch_size = -2 in the command line: must be > 0 or 'auto'"),
+])  # fmt: skip
+def test_an_error_names_the_source_of_the_key_at_fault(tmp_path, cli_key, cli_value, error):
+    path = write(tmp_path, "[training]\nsteps = 7\n[optimizer]\nlr = 0.5\n")
+    with pytest.raises(ConfigError) as err:
+        parse_args(["--job.config_file", path, cli_key, cli_value])
+    assert str(err.value) == error  # the TOML file gave other keys, not this one
+    with pytest.raises(ConfigError, match=f"optimizer.lr = -0.5 in {path}: must be > 0"):
+        parse_args(["--job.config_file", write(tmp_path, "[optimizer]\nlr = -0.5\n"), "--training.steps", "3"])
+    with pytest.raises(ConfigError) as err:  # the key at fault kept its default; the TOML set the other one
+        parse_args(["--job.config_file", write(tmp_path, "[diffusion]\nobjective = 'rectified_flow'\n")])
+    assert str(err.value) == (f"diffusion.prediction = 'epsilon' in the defaults: diffusion.objective "
+                              f"'rectified_flow' (in {tmp_path / 'job.toml'}) predicts 'velocity'")  # fmt: skip
+
+
+def test_combination_errors_name_each_key_source(tmp_path):
+    from torchtitan.dp.training import check_dp_config
+
+    path = write(tmp_path, "[training]\nglobal_batch_size = 60\n[dp]\nenable = true\n")
+    cfg = parse_args(["--job.config_file", path, "--training.local_batch_size", "8", "--compile.enable", "true"])
+    with pytest.raises(ConfigError) as err:
+        check_batch_sizes(cfg, dp_degree=2)
+    assert f"training.global_batch_size = 60 in {path} is not divisible" in str(err.value)
+    assert "training.local_batch_size (in the command line) x data-parallel degree = 8 x 2 = 16" in str(err.value)
+    assert check_dp_config(cfg).startswith(f"dp.enable in {path} with compile.enable in the command line:")
+
+
+@pytest.mark.parametrize("argv, key, value", [
+    (["--optimizer.lr", "-1e-3"], "optimizer.lr", -1e-3),
+    (["--optimizer.lr=-1e-3"], "optimizer.lr", -1e-3),
+    (["--optimizer.lr", "-.5E+2"], "optimizer.lr", -50.0),
+    (["--optimizer.lr", "-inf"], "optimizer.lr", float("-inf")),
+    (["--training.steps", "-5"], "training.steps", -5),
+    (["--training.steps=-5"], "training.steps", -5),
+])  # fmt: skip
+def test_negative_numbers_on_the_command_line(argv, key, value):
+    with pytest.raises(ConfigError) as err:
+        parse_args(argv)
+    assert str(err.value).startswith(f"{key} = {value!r} in the command line: must be ")
+    cfg = parse_args(["--diffusion.logit_normal_mean", "-5e-1", "--model.num_classes", "-1", "--job.description", "-x"])
+    assert cfg.diffusion.logit_normal_mean == -0.5 and cfg.model.num_classes == -1 and cfg.job.description == "-x"
+    assert parse_args(["--checkpoint.load_step", "-1", "--training.steps", "2"]).training.steps == 2
+
+
+@pytest.mark.parametrize("section, key, bad, good, rule", [
+    ("optimizer", "lr", "nan", "1e6", "must be a finite number"),  # large but finite is legal
+    ("optimizer", "lr", "inf", "1e-4", "must be a finite number"),
+    ("optimizer", "beta1", "1.0", "0.0", "must be in [0, 1)"),
+    ("optimizer", "beta2", "-0.1", "0.95", "must be in [0, 1)"),
+    ("optimizer", "eps", "0.0", "1e-12", "must be > 0"),
+    ("optimizer", "weight_decay", "-0.1", "0.0", "must be >= 0"),
+    ("lr_scheduler", "warmup_steps", "-1", "0", "must be >= 0"),
+    ("lr_scheduler", "min_lr_factor", "1.5", "1.0", "must be in [0, 1]"),
+    ("training", "max_norm", "-1.0", "0.0", "must be >= 0"),  # 0 disables clipping
+    ("training", "max_norm", "inf", "1e3", "must be a finite number"),
+    ("training", "global_batch_size", "0", "-1", "must be -1 or >= 1"),
+    ("training", "image_size", "-8", "0", "must be >= 0"),
+    ("training", "gc_freq", "-1", "0", "must be >= 0"),
+    ("training.dataloader", "num_workers", "-1", "0", "must be >= 0"),
+    ("training.dataloader", "prefetch_factor", "0", "1", "must be > 0"),
+    ("sampling", "freq", "-1", "0", "must be >= 0"),  # 0: no samples
+    ("sampling", "cfg_scale", "inf", "4.0", "must be a finite number"),
+    ("sampling", "cfg_scale", "nan", "0.5", "must be a finite number"),
+    ("checkpoint", "load_step", "-2", "-1", "must be >= -1"),
+    ("profiling", "profile_freq", "0", "1", "must be > 0"),
+    ("profiling", "profiler_warmup", "-1", "0", "must be >= 0"),
+    ("diffusion", "logit_normal_std", "0.0", "0.5", "must be > 0"),
+    ("diffusion", "logit_normal_mean", "-inf", "-0.5", "must be a finite number"),
+    ("model", "patch_size", "-2", "0", "must be >= 0"),
+    ("model", "num_classes", "-2", "0", "must be >= -1"),
+    ("model", "attn_window", "-3", "-1", "must be >= -1"),
+    ("latent", "scale_factor", "-0.18215", "0.18215", "must be >= 0"),
+    ("dp", "max_grad_norm", "0.0", "0.1", "must be > 0"),
+    ("dp", "noise_multiplier", "-1.0", "0.0", "must be >= 0"),
+    ("dp", "target_epsilon", "-1.0", "8.0", "must be >= 0"),
+    ("dp", "target_epsilon", "inf", "0.0", "must be a finite number"),
+    ("dp", "delta", "0.0", "1e-6", "must be in (0, 1)"),
+    ("dp", "delta", "1.0", "0.5", "must be in (0, 1)"),
+    ("debug", "seed", "-1", "4294967295", "must be in [0, 2**32)"),
+    ("quantize.linear.float8", "recipe_name", "'columnwise'", "'rowwise'", "must be one of"),
+])  # fmt: skip
+def test_impossible_values_are_rejected_naming_key_value_and_file(tmp_path, section, key, bad, good, rule):
+    with pytest.raises(ConfigError) as err:
+        parse_args(["--job.config_file", write(tmp_path, f"[{section}]\n{key} = {bad}\n")])
+    shown = repr(float(bad)) if "." in bad or bad in ("nan", "inf", "-inf") else bad
+    assert str(err.value).startswith(f"{section}.{key} = {shown} in {tmp_path / 'job.toml'}: {rule}"), err.value
+    parse_args(["--job.config_file", write(tmp_path, f"[{section}]\n{key} = {good}\n")])  # the edge is legal
+
+
+def test_profiler_window_fits_between_traces(tmp_path):
+    text = "[profiling]\nenable_profiling = true\nprofile_freq = 4\nprofiler_active = 5\n"
+    with pytest.raises(ConfigError, match=r"profiling.profiler_active = 5 in .*job.toml: records more steps than "
+                                          r"profiling.profile_freq = 4 \(in .*job.toml\)"):  # fmt: skip
+        parse_args(["--job.config_file", write(tmp_path, text)])
+    assert parse_args(["--job.config_file", write(tmp_path, text.replace("= true", "= false"))])
+
+
+def test_a_sampler_of_the_other_objective_is_refused_at_start():
+    with pytest.raises(
+        ConfigError,
+        match=r"sampling.sampler = 'ddim' in the command line: diffusion.objective "
+        r"'rectified_flow' \(in .*debug_model.toml\) samples with \['default', 'euler', 'heun'\]",
+    ):
+        parse_args(["--job.config_file", str(ROOT / "train_configs/debug_model.toml"), "--sampling.sampler", "ddim"])

@@ -1,5 +1,6 @@
 """Tokenizer loading (TorchScript Cosmos contract, diffusers autoencoders), decoding CLI, training decode."""
 
+import json
 import warnings
 from pathlib import Path
 
@@ -15,40 +16,93 @@ from torchtitan.config_manager import JobConfig
 from torchtitan.tools.images import save_image_grid
 
 
-class TinyEncoder(nn.Module):
-    """Cosmos's contract: encoder(x) -> (latent, ...). Space-to-depth by f, then a 1x1 conv."""
+def haar_filters(wavelets: torch.Tensor, signs: torch.Tensor, groups: int, dtype: torch.dtype):
+    """Cosmos's low- and high-pass Haar filters, cast to the input's dtype with `.to(dtype=...)` as its patcher
+    does: torch.jit.trace freezes that cast as a constant of the dtype the file was traced in."""
+    low = wavelets.flip(0).reshape(1, 1, -1).repeat(groups, 1, 1).to(dtype=dtype)
+    high = (wavelets * signs).reshape(1, 1, -1).repeat(groups, 1, 1).to(dtype=dtype)
+    return low, high
 
-    def __init__(self, channels: int, downsample: int):
+
+class HaarPatcher(nn.Module):
+    """One level of Cosmos's Haar patcher (modules/patching.py): (B, 3, H, W) -> (B, 12, H/2, W/2)."""
+
+    def __init__(self):
         super().__init__()
-        self.downsample = downsample
-        self.proj = nn.Conv2d(3 * downsample * downsample, channels, 1)
+        self.register_buffer("wavelets", torch.tensor([0.7071067811865476] * 2), persistent=False)
+        self.register_buffer("signs", torch.tensor([1.0, -1.0]), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = x.shape[1]
+        low, high = haar_filters(self.wavelets, self.signs, g, x.dtype)
+        xl = F.conv2d(x, low.unsqueeze(2), groups=g, stride=(1, 2))
+        xh = F.conv2d(x, high.unsqueeze(2), groups=g, stride=(1, 2))
+        bands = [F.conv2d(a, h.unsqueeze(3), groups=g, stride=(2, 1)) for a in (xl, xh) for h in (low, high)]
+        return torch.cat(bands, dim=1) / 2  # LL, LH, HL, HH
+
+
+class HaarUnPatcher(nn.Module):
+    """Its inverse: (B, 12, h, w) -> (B, 3, 2h, 2w), transposed convolutions with the same frozen casts."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("wavelets", torch.tensor([0.7071067811865476] * 2), persistent=False)
+        self.register_buffer("signs", torch.tensor([1.0, -1.0]), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = x.shape[1] // 4
+        low, high = haar_filters(self.wavelets, self.signs, g, x.dtype)
+        ll, lh, hl, hh = torch.chunk(x, 4, dim=1)
+        yl = F.conv_transpose2d(ll, low.unsqueeze(3), groups=g, stride=(2, 1))
+        yl = yl + F.conv_transpose2d(lh, high.unsqueeze(3), groups=g, stride=(2, 1))
+        yh = F.conv_transpose2d(hl, low.unsqueeze(3), groups=g, stride=(2, 1))
+        yh = yh + F.conv_transpose2d(hh, high.unsqueeze(3), groups=g, stride=(2, 1))
+        y = F.conv_transpose2d(yl, low.unsqueeze(2), groups=g, stride=(1, 2))
+        return (y + F.conv_transpose2d(yh, high.unsqueeze(2), groups=g, stride=(1, 2))) * 2
+
+
+class TinyEncoder(nn.Module):
+    """Cosmos's contract: encoder(x) -> (latent, ...). The Haar patcher (f = 2), then a strided conv."""
+
+    def __init__(self, channels: int, downsample: int, discrete: bool = False):
+        super().__init__()
+        self.discrete = discrete
+        self.patcher = HaarPatcher()
+        self.proj = nn.Conv2d(12, channels, downsample // 2, stride=downsample // 2)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        z = self.proj(F.pixel_unshuffle(x, self.downsample))
+        z = self.proj(self.patcher(x))
+        if self.discrete:  # a DI tokenizer's contract: (indices (B, h, w) int64, codes)
+            return z.argmax(1), z
         return z, z.mean()
 
 
 class TinyDecoder(nn.Module):
-    """decoder(z) -> image in [-1, 1]."""
+    """decoder(z) -> image in [-1, 1]: a 1x1 conv (as post_quant_conv), depth-to-space, the Haar unpatcher."""
 
     def __init__(self, channels: int, downsample: int):
         super().__init__()
-        self.downsample = downsample
-        self.proj = nn.Conv2d(channels, 3 * downsample * downsample, 1)
+        self.upsample = downsample // 2
+        self.proj = nn.Conv2d(channels, 12 * self.upsample**2, 1)
+        self.unpatcher = HaarUnPatcher()
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(F.pixel_shuffle(self.proj(z), self.downsample))
+        return torch.tanh(self.unpatcher(F.pixel_shuffle(self.proj(z), self.upsample)))
 
 
-def make_jit_tokenizer(folder: Path, channels: int = 16, downsample: int = 4, seed: int = 0):
-    """Writes encoder.jit / decoder.jit into folder; returns the eager (encoder, decoder) for reference."""
+def make_jit_tokenizer(folder: Path, channels: int = 16, downsample: int = 4, seed: int = 0,
+                       dtype: torch.dtype = torch.float32, discrete: bool = False):  # fmt: skip
+    """Writes encoder.jit / decoder.jit into folder as NVIDIA does: `torch.jit.trace` in `dtype` (their networks
+    cannot be scripted), which freezes the Haar casts. Returns the eager (encoder, decoder), in `dtype`."""
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    encoder, decoder = TinyEncoder(channels, downsample).eval(), TinyDecoder(channels, downsample).eval()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # Cosmos ships TorchScript, so the tests make TorchScript
-        torch.jit.script(encoder).save(str(folder / "encoder.jit"))
-        torch.jit.script(decoder).save(str(folder / "decoder.jit"))
+    encoder = TinyEncoder(channels, downsample, discrete).to(dtype).eval()
+    decoder = TinyDecoder(channels, downsample).to(dtype).eval()
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")  # Cosmos ships TorchScript, so the tests make TorchScript; tracer notes
+        image, latent = torch.zeros(1, 3, 16, 16, dtype=dtype), torch.zeros(1, channels, 2, 2, dtype=dtype)
+        torch.jit.save(torch.jit.trace(encoder, image), str(folder / "encoder.jit"))
+        torch.jit.save(torch.jit.trace(decoder, latent), str(folder / "decoder.jit"))
     return encoder, decoder
 
 
@@ -146,3 +200,140 @@ def test_decode_for_training_undoes_the_scale_factor(tmp_path):
     images = cld.decode_for_training(cfg, z * 2.0)
     with torch.no_grad():
         assert torch.allclose(images, decoder(z), atol=1e-5)
+
+
+@pytest.mark.parametrize("saved", [torch.bfloat16, torch.float32], ids=["traced_bf16", "traced_fp32"])
+@pytest.mark.parametrize("requested", [torch.float32, torch.bfloat16], ids=["asked_fp32", "asked_bf16"])
+def test_traced_files_run_in_their_saved_dtype(tmp_path, saved, requested):
+    """NVIDIA traces in bf16 on CUDA: casting such a file to float32 (or a float32 trace to bf16) makes its frozen
+    Haar casts feed convolutions of another dtype. Each file must run as saved, whatever dtype is asked for."""
+    encoder, decoder = make_jit_tokenizer(tmp_path / "tok", dtype=saved)
+    tokenizer = cld.load_tokenizer("cosmos_jit", tmp_path / "tok", "cpu", requested)
+    assert (tokenizer.latent_channels, tokenizer.downsample) == (16, 4)
+    assert tokenizer.run_dtypes == {"encoder": saved, "decoder": saved}
+    name = str(saved).removeprefix("torch.")
+    assert tokenizer.describe() == f"cosmos_jit:tok (16 channels, downsample 4; encoder {name}, decoder {name})"
+    x = torch.rand(3, 3, 32, 16) * 2 - 1
+    z = tokenizer.encode(x)
+    images = tokenizer.decode(z)
+    assert z.dtype == images.dtype == torch.float32
+    assert z.shape == (3, 16, 8, 4) and images.shape == (3, 3, 32, 16)
+    with torch.no_grad():  # the saved dtype's arithmetic, not a cast module's
+        torch.testing.assert_close(z, encoder(x.to(saved))[0].float(), atol=1e-6, rtol=0)
+        torch.testing.assert_close(images, decoder(z.to(saved)).float().clamp(-1, 1), atol=1e-6, rtol=0)
+
+
+def test_loads_only_the_half_a_command_needs(tmp_path):
+    encoder, decoder = make_jit_tokenizer(tmp_path / "tok", channels=8, dtype=torch.bfloat16)
+    (tmp_path / "tok" / "encoder.jit").unlink()
+    # Decoding alone: channels from the first convolution, downsample from decoding a zero latent.
+    tokenizer = cld.load_tokenizer("cosmos_jit", tmp_path / "tok", parts=("decoder",))
+    assert (tokenizer.latent_channels, tokenizer.downsample, tokenizer.encoder) == (8, 4, None)
+    z = torch.randn(2, 8, 3, 5)
+    with torch.no_grad():
+        torch.testing.assert_close(tokenizer.decode(z), decoder(z.bfloat16()).float().clamp(-1, 1), atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match=r"loaded with parts=\('decoder',\), without its encoder"):
+        tokenizer.encode(torch.zeros(1, 3, 16, 16))
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "tok" / "encoder.jit")):
+        cld.load_tokenizer("cosmos_jit", tmp_path / "tok")  # both halves need both files
+
+    make_jit_tokenizer(tmp_path / "enc", channels=8, downsample=8)
+    (tmp_path / "enc" / "decoder.jit").unlink()
+    tokenizer = cld.load_tokenizer("cosmos_jit", tmp_path / "enc", parts=("encoder",))
+    assert (tokenizer.latent_channels, tokenizer.downsample, tokenizer.decoder) == (8, 8, None)
+    assert tokenizer.encode(torch.zeros(2, 3, 16, 24)).shape == (2, 8, 2, 3)
+    with pytest.raises(ValueError, match="without its decoder"):
+        tokenizer.decode(torch.zeros(1, 8, 2, 2))
+    with pytest.raises(ValueError, match=r"parts \('vae',\): must be one or both of"):
+        cld.load_tokenizer("cosmos_jit", tmp_path / "enc", parts=("vae",))
+
+
+def test_torchscript_errors_name_the_file(tmp_path):
+    make_jit_tokenizer(tmp_path / "tok")
+    (tmp_path / "tok" / "decoder.jit").write_bytes(b"not a zip archive")  # an interrupted download
+    with pytest.raises(RuntimeError, match=f"{tmp_path / 'tok' / 'decoder.jit'}: torch.jit.load failed") as info:
+        cld.load_tokenizer("cosmos_jit", tmp_path / "tok")
+    assert "PytorchStreamReader" in str(info.value.__cause__)  # chained from torch's own error
+    # Two halves of different tokenizers: the decoder fails inside TorchScript on the encoder's 16 channels.
+    make_jit_tokenizer(tmp_path / "other", channels=4)
+    (tmp_path / "tok" / "decoder.jit").write_bytes((tmp_path / "other" / "decoder.jit").read_bytes())
+    with pytest.raises(RuntimeError, match=f"^{tmp_path / 'tok' / 'decoder.jit'}: ") as info:
+        cld.load_tokenizer("cosmos_jit", tmp_path / "tok")
+    assert "expected input[1, 16, 4, 4] to have 4 channels" in str(info.value)
+    assert info.value.__cause__ is not None
+
+
+@pytest.mark.parametrize("folder", ["Cosmos-0.1-Tokenizer-DI8x8", "Cosmos-1.0-Tokenizer-DI16x16"])
+def test_discrete_tokenizers_are_refused_by_name(tmp_path, folder):
+    make_jit_tokenizer(tmp_path / folder)
+    with pytest.raises(ValueError, match=f"{folder} is a discrete Cosmos tokenizer.*continuous ones are"):
+        cld.load_tokenizer("cosmos_jit", tmp_path / folder, parts=("decoder",))
+    make_jit_tokenizer(tmp_path / "Cosmos-0.1-Tokenizer-CV4x8x8")
+    with pytest.raises(ValueError, match="CV4x8x8 is a Cosmos video tokenizer"):
+        cld.load_tokenizer("cosmos_jit", tmp_path / "Cosmos-0.1-Tokenizer-CV4x8x8")
+
+
+def test_discrete_tokenizers_are_refused_by_their_integer_latents(tmp_path):
+    make_jit_tokenizer(tmp_path / "renamed", discrete=True)  # a DI encoder in a folder named otherwise
+    with pytest.raises(ValueError, match=r"encoder.jit: encodes a 64 x 64 image to a torch.int64 tensor of shape "
+                       r"\(1, 16, 16\).*discrete tokenizer .* is not supported"):  # fmt: skip
+        cld.load_tokenizer("cosmos_jit", tmp_path / "renamed", parts=("encoder",))
+
+
+def test_encode_refuses_sides_that_are_not_multiples_of_the_downsample(tmp_path):
+    make_jit_tokenizer(tmp_path / "tok", downsample=8)
+    tokenizer = cld.load_tokenizer("cosmos_jit", tmp_path / "tok", parts=("encoder",))
+    assert tokenizer.encode(torch.zeros(1, 3, 24, 16)).shape == (1, 16, 3, 2)
+    with pytest.raises(ValueError, match="encodes images whose sides are multiples of 8, got 20 x 16"):
+        tokenizer.encode(torch.zeros(1, 3, 20, 16))  # would silently give a 3 x 2 latent of a 24 x 16 image
+
+
+def write_meta(folder: Path, name: str, channels: int = 16, downsample: int = 4) -> Path:
+    """A prepared folder's meta.json (no shards: meta.json alone names the tokenizer and the statistics)."""
+    from torchtitan.datasets.latents import FORMAT
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = {"kind": "cosmos_jit", "name": name, "latent_channels": channels, "downsample": downsample}
+    normalization = {"mode": "channel", "mean": [0.5] * channels, "std": [2.0] * channels, "scale_factor": 1.0}
+    (folder / "meta.json").write_text(json.dumps({"format": FORMAT, "tokenizer": tokenizer,
+                                                  "normalization": normalization}))  # fmt: skip
+    return folder
+
+
+def test_decode_for_training_loads_the_decoder_and_checks_the_latents(tmp_path):
+    _, decoder = make_jit_tokenizer(tmp_path / "tok", dtype=torch.bfloat16)
+    (tmp_path / "tok" / "encoder.jit").unlink()  # decoding needs only decoder.jit
+    cfg = JobConfig()
+    cfg.latent.tokenizer, cfg.latent.checkpoint_dir = "cosmos_jit", str(tmp_path / "tok")
+    cfg.training.dataset_path = str(write_meta(tmp_path / "prepared", "tok"))
+    z = torch.randn(3, 16, 4, 4)
+    images = cld.decode_for_training(cfg, (z - 0.5) / 2.0)  # model space: (z - mean) / std
+    with torch.no_grad():
+        torch.testing.assert_close(images, decoder(z.bfloat16()).float().clamp(-1, 1), atol=1e-6, rtol=0)
+    # A tokenizer folder of the same name whose decoder upsamples by 8 (a CI16x16 given for CI8x8 latents, say).
+    make_jit_tokenizer(tmp_path / "elsewhere" / "tok", downsample=8)
+    cfg.latent.checkpoint_dir = str(tmp_path / "elsewhere" / "tok")
+    with pytest.raises(ValueError, match=r"prepared/meta.json: the \[latent\] tokenizer is not the one .*"
+                       r"downsample: the tokenizer has 8 but the latents 4"):  # fmt: skip
+        cld.decode_for_training(cfg, z)
+    cfg.training.dataset_path = str(write_meta(tmp_path / "prepared_ci16", "Cosmos-0.1-Tokenizer-CI16x16", 16, 16))
+    with pytest.raises(ValueError, match=r"latent.checkpoint_dir = '.*elsewhere/tok' is folder 'tok' but the latents "
+                       r"were encoded by folder 'Cosmos-0.1-Tokenizer-CI16x16'"):  # fmt: skip
+        cld.decode_for_training(cfg, z)
+
+
+def test_cli_checks_its_arguments_and_the_stats_tokenizer(tmp_path, capsys):
+    make_jit_tokenizer(tmp_path / "tok")
+    torch.save(torch.randn(2, 16, 4, 4), tmp_path / "z.pt")
+    args = ["--checkpoint-dir", str(tmp_path / "tok"), "--latents", str(tmp_path / "z.pt"), "--out",
+            str(tmp_path / "grid.png")]  # fmt: skip
+    for flags, message in ((["--max-images", "0"], "--max-images 0: must be > 0"),
+                           (["--batch-size", "-1"], "--batch-size -1: must be > 0"),
+                           (["--scale-factor", "nan"], "--scale-factor nan: must be a finite number >= 0"),
+                           (["--stats", str(write_meta(tmp_path / "other", "other"))],
+                            "latent.checkpoint_dir = '" + str(tmp_path / "tok") + "' is folder 'tok' but the latents "
+                            "were encoded by folder 'other'")):  # fmt: skip
+        assert cld.main([*args, *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err and "Traceback" not in err
+        assert not (tmp_path / "grid.png").exists()

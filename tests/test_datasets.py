@@ -1,6 +1,12 @@
 """Datasets and the loader: shapes and ranges, ADM's crop, CIFAR-10 pickles, errors naming the path, resume."""
 
+import importlib.util
+import logging
+import os
 import pickle
+import re
+from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -9,10 +15,11 @@ from PIL import Image
 
 from torchtitan.config_manager import JobConfig
 from torchtitan.datasets import DiffusionDataLoader, build_dataset
-from torchtitan.datasets.cifar10 import CIFAR10Dataset
+from torchtitan.datasets.cifar10 import CIFAR10Dataset, load_cifar10_pickle
 from torchtitan.datasets.digits import DigitsDataset
 from torchtitan.datasets.imagefolder import ImageFolderDataset, center_crop_arr
 from torchtitan.models.dit import dit_configs
+from torchtitan.tools.logging import logger
 
 
 def test_digits_are_real_and_normalized():
@@ -22,12 +29,12 @@ def test_digits_are_real_and_normalized():
     assert image.min() >= -1 and image.max() <= 1 and image.std() > 0.3
 
 
-def make_image_folder(root, sizes=((40, 30), (20, 50))):
+def make_image_folder(root, sizes=((40, 30), (20, 50)), suffix="png"):
     for cls in ("cat", "dog"):
         (root / cls).mkdir(parents=True)
         for i, size in enumerate(sizes):
             array = np.random.default_rng(i).integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)
-            Image.fromarray(array).save(root / cls / f"{i}.png")
+            Image.fromarray(array).save(root / cls / f"{i}.{suffix}")
     return root
 
 
@@ -46,6 +53,41 @@ def test_image_folder_center_crop_and_flip(tmp_path):
     assert flips == {True, False}  # random horizontal flips
 
 
+@pytest.mark.parametrize("suffix", ["png", "jpg"])
+def test_truncated_image_is_named_or_skipped(tmp_path, suffix, caplog, monkeypatch):
+    root = make_image_folder(tmp_path / "images", suffix=suffix)  # cat/0, cat/1, dog/0, dog/1
+    bad = root / "dog" / f"1.{suffix}"
+    bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])  # a valid file cut in half: index 3
+    cfg = JobConfig()
+    cfg.training.dataset, cfg.training.dataset_path, cfg.training.image_size = "imagefolder", str(root), 16
+    model_args = SimpleNamespace(in_channels=3, input_size=16, num_classes=2)
+    data = build_dataset(cfg.training, model_args)
+    with pytest.raises(OSError, match=re.escape(str(bad))) as error:
+        data[3]
+    assert "truncated" in str(error.value.__cause__)  # PIL's own error, chained
+
+    cfg.training.dataloader.skip_unreadable_images = True
+    data = build_dataset(cfg.training, model_args)
+    # Captured straight from the project logger, once: whether it propagates depends on init_logger having run.
+    monkeypatch.setattr(logger, "propagate", False)
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger.name):
+            image, label = data[3]  # the next index, wrapping: cat/0
+            loader = DiffusionDataLoader(
+                data, 4, dp_rank=0, dp_world=1, seed=0, dataloader_config=cfg.training.dataloader
+            )
+            images, labels = next(loader)
+    finally:
+        logger.removeHandler(caplog.handler)
+    first = data.load(0)
+    assert label == 0 and (torch.equal(image, first) or torch.equal(image, first.flip(-1)))
+    assert images.shape == (4, 3, 16, 16) and sorted(labels.tolist()) == [0, 0, 0, 1]  # full: cat/0 twice
+    assert data.skipped == {bad}
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and str(bad) in warnings[0] and "1 unreadable image(s) skipped" in warnings[0]
+
+
 def test_cifar10_pickles(tmp_path):
     for i in range(1, 6):
         batch = {b"data": np.full((3, 3072), i, dtype=np.uint8), b"labels": [i % 10] * 3}
@@ -55,6 +97,70 @@ def test_cifar10_pickles(tmp_path):
     assert len(data) == 15
     image, label = data[3]
     assert image.shape == (3, 32, 32) and label == 2 and image[0, 0, 0] == pytest.approx(2 / 127.5 - 1)
+
+
+# A batch as CIFAR-10's own files were written (Python 2 cPickle, protocol 2: str is bytes, numpy.core globals),
+# holding {"data": a (2, 3) uint8 array 1..6, "labels": [1, 2]}.
+PYTHON2_BATCH = (
+    b"\x80\x02}q\x00(U\x04dataq\x01cnumpy.core.multiarray\n_reconstruct\nq\x02cnumpy\nndarray\nq\x03K\x00\x85U\x01b"
+    b"\x87Rq\x04(K\x01K\x02K\x03\x86cnumpy\ndtype\nq\x05U\x02u1K\x00K\x01\x87Rq\x06(K\x03U\x01|NNNJ\xff\xff\xff\xff"
+    b"J\xff\xff\xff\xffK\x00tb\x89U\x06\x01\x02\x03\x04\x05\x06tbU\x06labelsq\x07]q\x08(K\x01K\x02eu."
+)
+
+
+def test_cifar10_reads_the_python2_pickle_format(tmp_path):
+    (tmp_path / "data_batch_1").write_bytes(PYTHON2_BATCH)
+    with open(tmp_path / "data_batch_1", "rb") as f:
+        batch = load_cifar10_pickle(f)
+    assert batch[b"data"].dtype == np.uint8 and batch[b"labels"] == [1, 2]
+    np.testing.assert_array_equal(batch[b"data"], np.arange(1, 7).reshape(2, 3))
+
+
+class RunsShell:
+    """Unpickled by pickle.load, this runs a shell command (harmless here: it writes a marker file)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"echo pwned > {self.marker}",)
+
+
+class Evaluates(RunsShell):
+    def __reduce__(self):
+        return eval, (f"open({str(self.marker)!r}, 'w').close()",)
+
+
+EXPLOITS = {f"{os.system.__module__}.system": RunsShell, "builtins.eval": Evaluates}  # os.system is posix.system
+
+
+@pytest.mark.parametrize("refused", EXPLOITS)
+def test_cifar10_refuses_pickles_that_run_code(tmp_path, refused):
+    marker = tmp_path / "pwned"
+    for i in range(1, 6):
+        data = EXPLOITS[refused](marker) if i == 3 else np.zeros((1, 3072), dtype=np.uint8)
+        with open(tmp_path / f"data_batch_{i}", "wb") as f:
+            pickle.dump({b"data": data, b"labels": [0]}, f)
+    with pytest.raises(
+        pickle.UnpicklingError, match=rf"{re.escape(str(tmp_path / 'data_batch_3'))}: .*{re.escape(refused)}"
+    ):
+        CIFAR10Dataset(str(tmp_path))
+    assert not marker.exists()
+
+    # The prepare script's label names (batches.meta) go through the same reader.
+    spec = importlib.util.spec_from_file_location(
+        "cifar10_prepare", Path(__file__).parents[1] / "data/cifar10/prepare.py"
+    )
+    prepare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prepare)
+    with open(tmp_path / "batches.meta", "wb") as f:
+        pickle.dump({b"label_names": [b"airplane", b"automobile"]}, f)
+    assert prepare.class_names(str(tmp_path)) == ["airplane", "automobile"]
+    with open(tmp_path / "batches.meta", "wb") as f:
+        pickle.dump({b"label_names": EXPLOITS[refused](marker)}, f)
+    with pytest.raises(pickle.UnpicklingError, match=rf"batches\.meta: .*{re.escape(refused)}"):
+        prepare.class_names(str(tmp_path))
+    assert not marker.exists()
 
 
 @pytest.mark.parametrize("name", ["imagefolder", "cifar10"])

@@ -18,7 +18,7 @@ from cosmos_latent_decoder import load_tokenizer
 from tests.conftest import ROOT, TINY, free_port, read_metrics, run_train
 from tests.test_cosmos_latent_decoder import make_image_folder, make_jit_tokenizer, make_sd_vae
 from torchtitan.config_manager import DataLoader as DataLoaderConfig
-from torchtitan.config_manager import Training
+from torchtitan.config_manager import Latent, Training
 from torchtitan.datasets import DiffusionDataLoader, build_dataset
 from torchtitan.datasets.imagefolder import ImageFolderDataset
 from torchtitan.datasets.latents import (
@@ -30,6 +30,8 @@ from torchtitan.datasets.latents import (
 )
 from torchtitan.datasets.prepare_latents import prepare_latents
 from torchtitan.models.dit import DiTArgs
+
+TINY_LATENT_ARGS = DiTArgs(input_size=4, in_channels=16, patch_size=2, num_classes=3)  # the fixtures' latents
 
 
 def load_script(path: Path):
@@ -55,7 +57,7 @@ def torchrun_prepare(args: list[str], nproc: int = 2) -> subprocess.CompletedPro
     return result
 
 
-def test_interrupted_preparation_resumes_then_trains_and_decodes(tmp_path):
+def test_interrupted_preparation_resumes_then_trains_and_decodes(tmp_path, capsys):
     images = make_image_folder(tmp_path / "images")
     make_jit_tokenizer(tmp_path / "tok")
     out = tmp_path / "prepared"
@@ -98,6 +100,14 @@ def test_interrupted_preparation_resumes_then_trains_and_decodes(tmp_path):
     assert sample.main(["--checkpoint", str(run), "--num-samples", "6", "--steps", "2", "--npz",
                         str(tmp_path / "samples.npz")]) == 0  # fmt: skip
     assert np.load(tmp_path / "samples.npz")["arr_0"].shape == (6, 16, 16, 3)
+    # A tokenizer other than the shards' is refused before any sampling, naming both sides.
+    ci16 = tmp_path / "Cosmos-0.1-Tokenizer-CI16x16"
+    make_jit_tokenizer(ci16, downsample=8)
+    assert sample.main(["--checkpoint", str(run), "--num-samples", "2", "--steps", "2", "--tokenizer-dir", str(ci16),
+                        "--out", str(tmp_path / "x.png")]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert "is folder 'Cosmos-0.1-Tokenizer-CI16x16' but the latents were encoded by folder 'tok'" in err
+    assert "downsample: the tokenizer has 8 but the latents 4" in err and not (tmp_path / "x.png").exists()
 
 
 def test_diffusers_autoencoder_flow(tmp_path):
@@ -183,8 +193,9 @@ def test_errors_name_what_disagrees(tmp_path, prepared):
         LatentShardDataset(tmp_path / "empty")
 
     training = Training(dataset="latents", dataset_path=str(prepared))
+    latent = Latent(tokenizer="cosmos_jit", checkpoint_dir=str(tmp_path / "tok"))
     with pytest.raises(ValueError, match=r"yields \(16, 4, 4\).*expects \(4, 4, 4\)"):
-        build_dataset(training, DiTArgs(input_size=4, in_channels=4, patch_size=2, num_classes=3))
+        build_dataset(training, DiTArgs(input_size=4, in_channels=4, patch_size=2, num_classes=3), latent)
 
     # A shard of another tokenizer dropped into the folder.
     make_jit_tokenizer(tmp_path / "other_tok", seed=1)
@@ -217,7 +228,7 @@ def write_cifar10(folder: Path, per_batch: int = 3) -> Path:
 
 def test_cifar10_prepare_script(tmp_path):
     source = write_cifar10(tmp_path / "cifar-10-batches-py")
-    make_jit_tokenizer(tmp_path / "tok")
+    make_jit_tokenizer(tmp_path / "tok", dtype=torch.bfloat16)  # as NVIDIA traces: bf16, here encoded on a CPU
     script = load_script(ROOT / "data" / "cifar10" / "prepare.py")
     args = ["--source", str(tmp_path), "--checkpoint-dir", str(tmp_path / "tok"), "--out", str(tmp_path / "prepared"),
             "--shard-size", "4", "--num-workers", "0", "--no-flip"]  # fmt: skip
@@ -229,3 +240,49 @@ def test_cifar10_prepare_script(tmp_path):
     assert len(dataset) == 15 and dataset[0][0].shape == (16, 8, 8) and dataset.raw(0).shape == (1, 16, 8, 8)
     with open(source / "data_batch_1", "rb") as f:
         assert dataset.labels[:3].tolist() == pickle.load(f, encoding="bytes")[b"labels"]
+
+
+def test_build_dataset_refuses_another_tokenizer(tmp_path, prepared):
+    training, args = Training(dataset="latents", dataset_path=str(prepared)), TINY_LATENT_ARGS
+    dataset = build_dataset(training, args, Latent(tokenizer="cosmos_jit", checkpoint_dir=str(tmp_path / "tok")))
+    assert len(dataset) == 12
+    for latent, messages in (
+        (Latent(tokenizer="cosmos_jit", checkpoint_dir=str(tmp_path / "Cosmos-0.1-Tokenizer-CI16x16")),
+         ["is folder 'Cosmos-0.1-Tokenizer-CI16x16' but the latents were encoded by folder 'tok'"]),
+        (Latent(tokenizer="diffusers", checkpoint_dir=str(tmp_path / "tok")),
+         ["latent.tokenizer = 'diffusers' but the latents' tokenizer kind is 'cosmos_jit'"]),
+    ):  # fmt: skip
+        with pytest.raises(ValueError) as info:
+            build_dataset(training, args, latent)
+        message = str(info.value)
+        assert message.startswith(f"{prepared / 'meta.json'}: the [latent] tokenizer is not the one these latents "
+                                  "were encoded with (cosmos_jit:tok (16 channels, downsample 4))")  # fmt: skip
+        assert all(m in message for m in messages), message
+    # No [latent] tokenizer: the latents train as they are (a latent model then saves its samples as latents).
+    assert len(build_dataset(training, args, Latent())) == 12
+
+
+def test_prepare_script_errors_are_one_line_naming_the_fault(tmp_path, capsys):
+    images = make_image_folder(tmp_path / "images")
+    make_jit_tokenizer(tmp_path / "tok")
+    (tmp_path / "tok" / "decoder.jit").unlink()  # preparing encodes: decoder.jit is not needed
+    script = load_script(ROOT / "data" / "imagenet" / "prepare.py")
+    args = ["--source", str(images), "--image-size", "16", "--out", str(tmp_path / "prepared"), "--num-workers", "0"]
+    assert script.main([*args, "--checkpoint-dir", str(tmp_path / "tok")]) == 0
+    assert read_meta(tmp_path / "prepared")["tokenizer"]["downsample"] == 4
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "encoder.jit").write_bytes(b"half a download")
+    for flags, message in (
+        (["--checkpoint-dir", str(tmp_path / "nowhere")], f"tokenizer folder '{tmp_path / 'nowhere'}' does not exist"),
+        (["--checkpoint-dir", str(broken)], f"{broken / 'encoder.jit'}: torch.jit.load failed"),
+        (["--checkpoint-dir", str(tmp_path / "tok"), "--image-size", "18"],
+         "image size 18 (--image-size) is not a multiple of the downsample factor 4 of cosmos_jit:tok (16 channels, "
+         "downsample 4; encoder float32): use 16 or 20"),
+        (["--checkpoint-dir", str(tmp_path / "tok"), "--batch-size", "0"], "--batch-size 0: must be > 0"),
+        (["--checkpoint-dir", str(tmp_path / "tok"), "--shard-size", "-1"], "--shard-size -1: must be > 0"),
+    ):  # fmt: skip
+        assert script.main([*args, *flags]) == 2
+        err = capsys.readouterr().err
+        last = err.splitlines()[-1]  # after the log lines, if any
+        assert last.startswith("error: ") and message in last and "Traceback" not in err, err

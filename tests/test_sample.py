@@ -1,11 +1,14 @@
-"""sample.py: grids from a run folder or a DCP step folder, and ADM .npz over torchrun ranks."""
+"""sample.py: grids from a run folder (its ema.safetensors first) or a DCP step folder, ADM .npz over torchrun ranks,
+and arguments refused by flag."""
 
 import os
+import shutil
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 import sample
@@ -55,3 +58,52 @@ def test_errors(digits_run, tmp_path, capsys):
     assert f"{tmp_path / 'nowhere'} does not exist" in capsys.readouterr().err
     assert sample.main(["--checkpoint", str(digits_run), "--classes", "12", "--out", str(tmp_path / "x.png")]) == 2
     assert "--classes [12]: the model has classes 0..9" in capsys.readouterr().err
+
+
+def test_run_folder_prefers_ema_safetensors(digits_run, tmp_path):
+    """A run folder samples with its exported ema.safetensors even where a newer DCP checkpoint exists."""
+    from safetensors.torch import save_file
+
+    run = tmp_path / "run"
+    shutil.copytree(digits_run, run)
+    cfg, _ = sample.resolve_checkpoint(run)
+    model, _ = sample.load_model(cfg, run / "checkpoint" / "step-2", torch.device("cpu"))
+    save_file(model.state_dict(), str(run / "ema.safetensors"))  # step 2's EMA weights; the newest DCP is step 4
+    assert sample.resolve_checkpoint(run)[1] == run / "ema.safetensors"
+    common = ["--num-samples", "4", "--classes", "3,7", "--steps", "3", "--seed", "1"]
+    for name, checkpoint in (("run", run), ("step2", run / "checkpoint" / "step-2"),
+                             ("step4", run / "checkpoint" / "step-4")):  # fmt: skip
+        assert sample.main(["--checkpoint", str(checkpoint), *common, "--out", str(tmp_path / f"{name}.png")]) == 0
+    grid, step2, step4 = (np.asarray(Image.open(tmp_path / f"{n}.png")) for n in ("run", "step2", "step4"))
+    assert np.array_equal(grid, step2) and not np.array_equal(grid, step4)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--cfg-scale", "nan"], "--cfg-scale nan: must be a finite number"),
+        (["--cfg-scale", "inf"], "--cfg-scale inf: must be a finite number"),
+        (["--cfg-scale=-inf"], "--cfg-scale -inf: must be a finite number"),  # "=": argparse reads "-inf" as a flag
+        (["--num-samples", "0"], "--num-samples 0: must be > 0"),
+        (["--num-samples", "-4"], "--num-samples -4: must be > 0"),
+        (["--steps", "-2"], "--steps -2: must be > 0"),
+        (["--steps", "0"], "--steps 0: must be > 0"),
+        (["--batch-size", "0"], "--batch-size 0: must be > 0"),
+        (["--batch-size", "-1"], "--batch-size -1: must be > 0"),
+        (["--classes", "1,x"], "--classes '1,x': must be comma-separated class indices"),
+    ],
+)
+def test_bad_arguments_name_the_flag(digits_run, tmp_path, capsys, flags, message):
+    assert sample.main(["--checkpoint", str(digits_run), *flags, "--out", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].startswith(f"error: {message}"), err
+    assert "Traceback" not in err and not (tmp_path / "x.png").exists()  # no black or empty grid
+
+
+def test_several_ranks_need_npz_and_classes_need_a_conditional_model(digits_run, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert sample.main(["--checkpoint", str(digits_run), "--out", str(tmp_path / "x.png")]) == 2
+    assert "error: 2 ranks write one grid: several ranks only make sense with --npz" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"--classes \[1\]: the model is unconditional"):
+        sample.labels_for(4, [1], num_classes=0)
+    assert sample.labels_for(4, [], num_classes=0) is None

@@ -149,3 +149,25 @@ def test_checkpoint_recompute_uses_the_configured_attention_kernel(tmp_path, ac)
     run_train([*TINY, "--job.dump_folder", str(out), "--training.steps", "2", "--model.sdpa_backends", "math",
                "--activation_checkpoint.mode", ac, "--activation_checkpoint.selective_ac_option", "op"])  # fmt: skip
     assert [m["step"] for m in read_metrics(out)] == [1, 2]
+
+
+def test_failing_side_features_never_end_the_run(tmp_path):
+    """Sample grids, TensorBoard, wandb and the EMA export all fail here; each is an error in the log, and the run
+    trains to the end with its checkpoints (written before the samples of their step)."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "samples").write_text("a file where the samples folder goes")
+    (out / "tb").write_text("a file where TensorBoard's folder goes")
+    (out / "ema.safetensors").mkdir()  # the export cannot replace a folder
+    result = run_train([*TINY, "--job.dump_folder", str(out), "--training.steps", "4", "--sampling.freq", "2",
+                        "--sampling.num_samples", "2", "--sampling.steps", "2", "--checkpoint.enable", "true",
+                        "--checkpoint.interval", "2", "--metrics.enable_tensorboard", "true",
+                        "--metrics.enable_wandb", "true"], env={"WANDB_MODE": "not-a-mode"})  # fmt: skip
+    assert [m["step"] for m in read_metrics(out)] == [1, 2, 3, 4]
+    assert sorted(p.name for p in (out / "checkpoint").iterdir()) == ["step-2", "step-4"]
+    for failure in ("step 2: writing samples failed", "step 4: writing samples failed",
+                    "metrics: starting TensorBoard failed", "metrics: starting wandb failed",
+                    "exporting ema.safetensors failed"):  # fmt: skip
+        assert failure in result.stderr, failure
+    assert result.stderr.index("saved checkpoint") < result.stderr.index("step 2: writing samples failed")
+    assert "training done" in result.stderr

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import sys
 import tomllib
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,28 +89,28 @@ class Model:
     """Override: patch size; 0 keeps the flavor's."""
     num_classes: int = -1
     """Override: number of classes (0: unconditional); -1 keeps the flavor's."""
-    pos_embed: str = ""
-    """Override: 'rope2d' | 'sincos' | 'learned'; '' keeps the flavor's."""
-    norm: str = ""
-    """Override: 'layernorm' | 'rmsnorm'; '' keeps the flavor's."""
-    mlp: str = ""
-    """Override: 'gelu' | 'swiglu'; '' keeps the flavor's."""
-    qk_norm: str = ""
-    """Override: 'true' | 'false'; '' keeps the flavor's."""
-    learn_sigma: str = ""
-    """Override: 'true' | 'false' (DiT's 2C-channel output + VLB term); '' keeps the flavor's."""
-    fused_norm: str = ""
-    """Override: 'true' | 'false': on CUDA, each adaLN norm with the gated residual add before it runs as one
-    Triton kernel forward and one backward (torch elsewhere); '' keeps the flavor's (true)."""
-    fused_mlp: str = ""
-    """Override: 'true' | 'false': on CUDA, fc1's bias and the MLP activation (GELU or SwiGLU) run as one Triton
-    kernel forward and one backward that also sums fc1's bias gradient (GELU in bf16/fp16: the whole MLP as cuBLASLt
-    GEMMs, GELU in fc1's epilogue and its derivative in that of fc2's input gradient), where fc1 and fc2 are plain,
-    unhooked Linears: not under DP-SGD or float8; '' keeps the flavor's (true)."""
-    fused_qkv: str = ""
-    """Override: 'true' | 'false': on CUDA, the attention's qkv Linear assembles its output gradient from q, k and
-    v's and sums its bias gradient in one Triton kernel (where qkv is a plain, unhooked Linear: not under DP-SGD
-    or float8); '' keeps the flavor's (true)."""
+    pos_embed: str | None = None
+    """Override: 'rope2d' | 'sincos' | 'learned'; unset keeps the flavor's."""
+    norm: str | None = None
+    """Override: 'layernorm' | 'rmsnorm'; unset keeps the flavor's."""
+    mlp: str | None = None
+    """Override: 'gelu' | 'swiglu'; unset keeps the flavor's."""
+    qk_norm: bool | None = None
+    """Override: RMS-normalize queries and keys per head; unset keeps the flavor's."""
+    learn_sigma: bool | None = None
+    """Override: DiT's 2C-channel output (learned variance) + VLB term (ddpm only); unset keeps the flavor's."""
+    fused_norm: bool | None = None
+    """Override: on CUDA, each adaLN norm with the gated residual add before it runs as one Triton kernel forward
+    and one backward (torch elsewhere); unset keeps the flavor's (true in every built-in flavor)."""
+    fused_mlp: bool | None = None
+    """Override: on CUDA, fc1's bias and the MLP activation (GELU or SwiGLU) run as one Triton kernel forward and
+    one backward that also sums fc1's bias gradient (GELU in bf16/fp16: the whole MLP as cuBLASLt GEMMs, GELU in
+    fc1's epilogue and its derivative in that of fc2's input gradient), where fc1 and fc2 are plain, unhooked
+    Linears: not under DP-SGD or float8; unset keeps the flavor's (true in every built-in flavor)."""
+    fused_qkv: bool | None = None
+    """Override: on CUDA, the attention's qkv Linear assembles its output gradient from q, k and v's and sums its
+    bias gradient in one Triton kernel (where qkv is a plain, unhooked Linear: not under DP-SGD or float8); unset
+    keeps the flavor's (true in every built-in flavor)."""
     attn_window: int = -1
     """Override: windowed attention over the (2w+1) x (2w+1) token neighbourhood (FlexAttention);
     0 is global attention; -1 keeps the flavor's."""
@@ -178,6 +179,9 @@ class DataLoader:
     """Pin host memory (GPU)."""
     prefetch_factor: int = 2
     """Batches prefetched per worker (when num_workers > 0)."""
+    skip_unreadable_images: bool = False
+    """Image folders: an image that cannot be decoded (truncated or corrupt file) is logged by name and replaced
+    by the next readable one, and the count of skipped files is logged; false stops the run naming the file."""
 
 
 @dataclass
@@ -207,7 +211,7 @@ class Training:
     ema_warmup: bool = False
     """Ramp the EMA decay as min(decay, (1 + n) / (10 + n)) for short runs."""
     gc_freq: int = 50
-    """Steps between Python garbage collections."""
+    """Steps between Python garbage collections (0: never; automatic GC stays off either way)."""
     dataloader: DataLoader = field(default_factory=DataLoader)
 
 
@@ -371,9 +375,25 @@ class JobConfig:
     latent: Latent = field(default_factory=Latent)
     dp: DP = field(default_factory=DP)
     debug: Debug = field(default_factory=Debug)
+    # Where each key set by parse_args came from: the TOML file's path or "the command line". Not a config
+    # key: never on the command line or in config.toml; a field so that dataclasses.replace and copy keep it.
+    _sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._sources = dict(self._sources)  # a copy's sources are its own
+
+    def source_of(self, key: str) -> str:
+        """Where `key` (e.g. "optimizer.lr") got its value: the TOML file, "the command line" or "the defaults".
+
+        Raises:
+            KeyError: `key` is not a config key.
+        """
+        if key not in _leaf_keys():
+            raise KeyError(f"source_of: {key!r} is not a config key")
+        return self._sources.get(key, "the defaults")
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return {f.name: dataclasses.asdict(getattr(self, f.name)) for f in _sections(self)}
 
 
 @functools.cache
@@ -393,10 +413,20 @@ def _field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+def _sections(cfg_or_cls) -> list[dataclasses.Field]:
+    """The config's fields, without private ones (JobConfig._sources)."""
+    return [f for f in dataclasses.fields(cfg_or_cls) if not f.name.startswith("_")]
+
+
+@functools.cache
+def _leaf_keys() -> frozenset[str]:
+    return frozenset(key for key, *_ in _leaf_fields(JobConfig))
+
+
 def _leaf_fields(cls: type, prefix: str = ""):
     """Yields (dotted key, field, type, owning class) for every leaf field under cls."""
     hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
+    for f in _sections(cls):
         key = f"{prefix}{f.name}"
         ftype = hints[f.name]
         if dataclasses.is_dataclass(ftype):
@@ -405,10 +435,14 @@ def _leaf_fields(cls: type, prefix: str = ""):
             yield key, f, ftype, cls
 
 
+def _is_union(ftype) -> bool:
+    return typing.get_origin(ftype) in (typing.Union, types.UnionType)  # Optional[X] and X | None
+
+
 def _type_name(ftype) -> str:
-    """How help and errors name a field's type: 'int', 'list', "int or 'auto'"."""
-    if typing.get_origin(ftype) is typing.Union:
-        return " or ".join(_type_name(arg) for arg in typing.get_args(ftype))
+    """How help and errors name a field's type: 'int', 'list', "int or 'auto'", 'bool' (for bool | None)."""
+    if _is_union(ftype):
+        return " or ".join(_type_name(arg) for arg in typing.get_args(ftype) if arg is not type(None))
     if typing.get_origin(ftype) is typing.Literal:
         return " or ".join(repr(word) for word in typing.get_args(ftype))
     return "list" if typing.get_origin(ftype) is list else getattr(ftype, "__name__", str(ftype))
@@ -417,13 +451,17 @@ def _type_name(ftype) -> str:
 def _convert(value, ftype, key: str, source: str):
     """Converts a TOML or CLI value to the field's type, naming key and source on failure."""
     expected = _type_name(ftype)
-    if typing.get_origin(ftype) is typing.Union:  # e.g. int | Literal["auto"]: a listed word, else a number
-        words = [w for arg in typing.get_args(ftype) if typing.get_origin(arg) is typing.Literal
-                 for w in typing.get_args(arg)]  # fmt: skip
+    if _is_union(ftype):  # e.g. int | Literal["auto"]: a listed word, else a number; bool | None
+        args = typing.get_args(ftype)
+        # TOML has no null: an optional is unset by leaving it out. '' is accepted as unset too, as older
+        # resolved config.toml files (which sample.py reads) wrote it, and so that the CLI can unset a TOML value.
+        if type(None) in args and value in (None, ""):
+            return None
+        words = [w for arg in args if typing.get_origin(arg) is typing.Literal for w in typing.get_args(arg)]
         if value in words:
             return value
-        for arg in typing.get_args(ftype):
-            if typing.get_origin(arg) is not typing.Literal:
+        for arg in args:
+            if typing.get_origin(arg) is not typing.Literal and arg is not type(None):
                 with contextlib.suppress(ConfigError):
                     return _convert(value, arg, key, source)
     elif ftype is bool:
@@ -479,10 +517,12 @@ def _flatten_toml(data: dict, prefix: str = "") -> dict:
 
 
 def _build_parser(fields: dict) -> argparse.ArgumentParser:
+    # The help prints each key's dataclass default itself: the argparse default is None (meaning "not given"),
+    # which ArgumentDefaultsHelpFormatter would print as a second "(default: None)".
     parser = argparse.ArgumentParser(
         prog="train.py",
         description="TorchDiTan trainer. Every TOML key can be given as --section.key VALUE (CLI > TOML > default).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
     )
     groups = {}
     for key, (f, ftype, owner) in fields.items():
@@ -490,18 +530,36 @@ def _build_parser(fields: dict) -> argparse.ArgumentParser:
         if section not in groups:
             groups[section] = parser.add_argument_group(f"[{section}]")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        shown = "unset" if default is None else _toml_value(default)
         doc = _field_docs(owner).get(f.name, "")
         metavar = _type_name(ftype).replace(" or ", "|").replace("'", "").upper()
-        groups[section].add_argument(f"--{key}", dest=key, default=None, metavar=metavar,
-                                     help=f"{doc} (default: {default!r})")  # fmt: skip
+        help_text = f"{doc} (default: {shown})".replace("%", "%%")  # argparse %-formats help strings
+        groups[section].add_argument(f"--{key}", dest=key, default=None, metavar=metavar, help=help_text)
     return parser
+
+
+def _attach_values(argv: list[str], fields: dict) -> list[str]:
+    """`--key value` -> `--key=value` for known keys: argparse reads a value such as -1e-3 or -inf that is not a
+    plain negative number as an option ("expected one argument"); attached with '=' it is always the value."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg[2:] in fields and arg.startswith("--") and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            out.append(f"{arg}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(arg)
+            i += 1
+    return out
 
 
 def parse_args(argv: list[str] | None = None) -> JobConfig:
     """Builds a JobConfig from `--job.config_file` TOML and `--section.key value` overrides.
 
+    Records where each key it sets came from (`JobConfig.source_of`): the TOML file's path or "the command line".
+
     Raises:
-        ConfigError: unknown section/key, wrong type or impossible value; the message names key and file.
+        ConfigError: unknown section/key, wrong type or impossible value; the message names key and source.
     """
     argv = sys.argv[1:] if argv is None else argv
     fields = {key: (f, ftype, owner) for key, f, ftype, owner in _leaf_fields(JobConfig)}
@@ -510,13 +568,13 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     unknown = [a for a in unknown if a not in ("--help", "-h")]
     if unknown:
         raise ConfigError(f"unknown option {unknown[0]} on the command line (keys look like --training.steps)")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_attach_values(argv, fields))
     cfg = JobConfig()
     config_file = getattr(args, "job.config_file") or ""
     if config_file:
         path = Path(config_file)
         if not path.is_file():
-            raise ConfigError(f"job.config_file: {config_file} does not exist")
+            raise ConfigError(f"job.config_file = {config_file!r} in the command line: the file does not exist")
         try:
             data = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as e:
@@ -528,24 +586,30 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
                 what = "key" if section in known_sections else "section"
                 raise ConfigError(f"unknown {what} '{key}' in {config_file}")
             _set(cfg, key, _convert(value, fields[key][1], key, config_file))
+            cfg._sources[key] = config_file
     for key in fields:
         value = getattr(args, key)
         if value is not None:
             _set(cfg, key, _convert(value, fields[key][1], key, "the command line"))
+            cfg._sources[key] = "the command line"
     cfg.job.config_file = config_file
-    validate(cfg, source=config_file or "the defaults")
+    validate(cfg)
     return cfg
 
 
 def to_toml(cfg: JobConfig) -> str:
-    """Serializes the resolved config as TOML (sections mirror the dataclasses)."""
+    """Serializes the resolved config as TOML (sections mirror the dataclasses).
+
+    An unset optional (None) is left out, as TOML has no null: parse_args reads it back as unset.
+    """
     lines: list[str] = []
 
     def emit(obj, prefix: str) -> None:
         scalars, nested = [], []
-        for f in dataclasses.fields(obj):
+        for f in _sections(obj):
             value = getattr(obj, f.name)
-            (nested if dataclasses.is_dataclass(value) else scalars).append((f.name, value))
+            if value is not None:
+                (nested if dataclasses.is_dataclass(value) else scalars).append((f.name, value))
         if scalars:
             lines.append(f"[{prefix}]")
             for name, value in scalars:
@@ -554,7 +618,7 @@ def to_toml(cfg: JobConfig) -> str:
         for name, value in nested:
             emit(value, f"{prefix}.{name}" if prefix else name)
 
-    for f in dataclasses.fields(cfg):
+    for f in _sections(cfg):
         emit(getattr(cfg, f.name), f.name)
     return "\n".join(lines)
 

@@ -37,7 +37,7 @@ def get_train_spec(name: str) -> TrainSpec:
 
 
 def build_model_args(spec: TrainSpec, model_config) -> Any:
-    """The flavor's args with the `[model]` overrides applied (0, -1 and '' keep the flavor's value)."""
+    """The flavor's args with the `[model]` overrides applied (0, -1 and None keep the flavor's value)."""
     import dataclasses
 
     args = dataclasses.replace(spec.model_args[model_config.flavor])
@@ -48,12 +48,9 @@ def build_model_args(spec: TrainSpec, model_config) -> Any:
         args.num_classes = model_config.num_classes
     if model_config.attn_window >= 0:
         args.attn_window = model_config.attn_window
-    for name in ("pos_embed", "norm", "mlp"):
-        if getattr(model_config, name):
+    for name in ("pos_embed", "norm", "mlp", "qk_norm", "learn_sigma", "fused_norm", "fused_mlp", "fused_qkv"):
+        if getattr(model_config, name) is not None:  # False overrides a flavor's True
             setattr(args, name, getattr(model_config, name))
-    for name in ("qk_norm", "learn_sigma", "fused_norm", "fused_mlp", "fused_qkv"):
-        if getattr(model_config, name):
-            setattr(args, name, getattr(model_config, name) == "true")
     try:
         args.validate()
     except ValueError as e:

@@ -8,14 +8,18 @@ interruption skips the finished shards. See docs/latent.md.
 """
 
 import argparse
-import pickle
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, when run as a script
 
-from torchtitan.datasets.cifar10 import CIFAR10Dataset, find_cifar10_folder  # noqa: E402
-from torchtitan.datasets.prepare_latents import add_prepare_args, run_prepare  # noqa: E402
+from torchtitan.datasets.cifar10 import CIFAR10Dataset, find_cifar10_folder, load_cifar10_pickle  # noqa: E402
+from torchtitan.datasets.prepare_latents import (  # noqa: E402
+    add_prepare_args,
+    check_prepare_args,
+    exit_code_of,
+    run_prepare,
+)
 from torchtitan.tools.logging import init_logger  # noqa: E402
 
 
@@ -25,7 +29,14 @@ def class_names(root: str) -> list[str]:
     if not meta.is_file():
         return []
     with open(meta, "rb") as f:
-        return [name.decode() for name in pickle.load(f, encoding="bytes").get(b"label_names", [])]
+        return [name.decode() for name in load_cifar10_pickle(f).get(b"label_names", [])]
+
+
+def prepare(args: argparse.Namespace) -> int:
+    check_prepare_args(args)
+    source = CIFAR10Dataset(args.source, random_flip=False)
+    return run_prepare(args, source, 32, source.num_classes, class_names(args.source),
+                       f"CIFAR-10 {args.source}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,9 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     add_prepare_args(parser, default_out="data/cifar10/prepared")
     args = parser.parse_args(argv)
     init_logger()
-    source = CIFAR10Dataset(args.source, random_flip=False)
-    return run_prepare(args, source, 32, source.num_classes, class_names(args.source),
-                       f"CIFAR-10 {args.source}")  # fmt: skip
+    return exit_code_of(lambda: prepare(args))  # errors: one line naming the file or flag, exit code 2
 
 
 if __name__ == "__main__":

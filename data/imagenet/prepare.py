@@ -14,8 +14,22 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, when run as a script
 
 from torchtitan.datasets.imagefolder import ImageFolderDataset  # noqa: E402
-from torchtitan.datasets.prepare_latents import add_prepare_args, run_prepare  # noqa: E402
+from torchtitan.datasets.prepare_latents import (  # noqa: E402
+    add_prepare_args,
+    check_prepare_args,
+    exit_code_of,
+    run_prepare,
+)
 from torchtitan.tools.logging import init_logger  # noqa: E402
+
+
+def prepare(args: argparse.Namespace) -> int:
+    check_prepare_args(args)
+    if args.image_size <= 0:
+        raise ValueError(f"--image-size {args.image_size}: must be > 0")
+    source = ImageFolderDataset(args.source, args.image_size, random_flip=False)
+    return run_prepare(args, source, args.image_size, source.num_classes, source.classes,
+                       f"image folder {args.source} at {args.image_size}px")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,9 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     add_prepare_args(parser, default_out="data/imagenet/prepared")
     args = parser.parse_args(argv)
     init_logger()
-    source = ImageFolderDataset(args.source, args.image_size, random_flip=False)
-    return run_prepare(args, source, args.image_size, source.num_classes, source.classes,
-                       f"image folder {args.source} at {args.image_size}px")  # fmt: skip
+    return exit_code_of(lambda: prepare(args))  # errors: one line naming the file or flag, exit code 2
 
 
 if __name__ == "__main__":

@@ -26,6 +26,9 @@ _NAMESPACED = {
 }
 
 
+_SINK_NAMES = {"jsonl": "metrics.jsonl", "tb": "TensorBoard", "wandb": "wandb"}
+
+
 class ThroughputMeter:
     """Step and data time over the window since the last log; images/s, TFLOP/s and MFU per GPU."""
 
@@ -75,35 +78,42 @@ class MetricsLogger:
         if not self.enabled:
             return
         dump_folder.mkdir(parents=True, exist_ok=True)
-        self.jsonl = open(dump_folder / f"metrics{suffix}.jsonl", "a")
+        self.jsonl = open(dump_folder / f"metrics{suffix}.jsonl", "a")  # noqa: SIM115 (open for the run)
         if metrics_config.enable_tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(str(dump_folder / f"{metrics_config.save_tb_folder}{suffix}"))
+            self.tb = self._start("TensorBoard", lambda: _tensorboard_writer(dump_folder, metrics_config, suffix))
         if metrics_config.enable_wandb and rank == 0:
-            import wandb
+            self.wandb = self._start("wandb", lambda: _wandb_run(dump_folder, job_config))
 
-            os.environ.setdefault("WANDB_DIR", str(dump_folder))
-            self.wandb = wandb.init(
-                project=os.environ.get("WANDB_PROJECT", "torchditan"),
-                name=os.environ.get("WANDB_RUN_NAME", dump_folder.name),
-                dir=str(dump_folder),
-                config=job_config.to_dict(),
-            )
+    @staticmethod
+    def _start(name: str, start):
+        """A sink that fails to start is a logged error: the run trains without it."""
+        try:
+            return start()
+        except Exception as e:  # noqa: BLE001
+            logger.exception(f"metrics: starting {name} failed ({type(e).__name__}: {e}); training without it")
+            return None
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:
             return
         record = {"step": step, **{k: v for k, v in metrics.items() if v is not None}}
-        self.jsonl.write(json.dumps(record) + "\n")
-        self.jsonl.flush()
-        scalars = {_NAMESPACED.get(k, k): v for k, v in record.items() if k != "step" and isinstance(v, int | float)}
-        if self.tb is not None:
-            for key, value in scalars.items():
-                self.tb.add_scalar(key, value, step)
-        if self.wandb is not None:
-            self.wandb.log(scalars, step=step)
         logger.info(self._console_line(record))
+        scalars = {_NAMESPACED.get(k, k): v for k, v in record.items() if k != "step" and isinstance(v, int | float)}
+        self._guarded("jsonl", lambda: (self.jsonl.write(json.dumps(record) + "\n"), self.jsonl.flush()))
+        self._guarded("tb", lambda: [self.tb.add_scalar(key, value, step) for key, value in scalars.items()])
+        self._guarded("wandb", lambda: self.wandb.log(scalars, step=step))
+
+    def _guarded(self, sink: str, write) -> None:
+        """Runs a write to one sink (metrics.jsonl, TensorBoard, wandb); a failure is a logged error, never the end
+        of the run. A sink that fails is left off from then on (the console line still shows every step)."""
+        if getattr(self, sink) is None:
+            return
+        try:
+            write()
+        except Exception as e:  # noqa: BLE001 (a metrics sink must not end a training run)
+            logger.exception(f"metrics: writing to {_SINK_NAMES[sink]} failed ({type(e).__name__}: {e}); "
+                             "it is off for the rest of this run")  # fmt: skip
+            setattr(self, sink, None)
 
     def _console_line(self, r: dict) -> str:
         c = (lambda code, s: f"\033[{code}m{s}\033[0m") if self.color else (lambda code, s: s)
@@ -123,20 +133,41 @@ class MetricsLogger:
     def log_image(self, step: int, path: Path, tag: str = "samples") -> None:
         if not self.enabled:
             return
-        if self.tb is not None:
+
+        def to_tb():
             import numpy as np
             from PIL import Image
 
             self.tb.add_image(tag, np.asarray(Image.open(path).convert("RGB")), step, dataformats="HWC")
-        if self.wandb is not None:
+
+        def to_wandb():
             import wandb
 
             self.wandb.log({tag: wandb.Image(str(path))}, step=step)
 
+        self._guarded("tb", to_tb)
+        self._guarded("wandb", to_wandb)
+
     def close(self) -> None:
         if self.jsonl is not None:
             self.jsonl.close()
-        if self.tb is not None:
-            self.tb.close()
-        if self.wandb is not None:
-            self.wandb.finish()
+        self._guarded("tb", self.tb.close if self.tb is not None else None)
+        self._guarded("wandb", self.wandb.finish if self.wandb is not None else None)
+
+
+def _tensorboard_writer(dump_folder: Path, metrics_config, suffix: str):
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(str(dump_folder / f"{metrics_config.save_tb_folder}{suffix}"))
+
+
+def _wandb_run(dump_folder: Path, job_config):
+    import wandb
+
+    os.environ.setdefault("WANDB_DIR", str(dump_folder))
+    return wandb.init(
+        project=os.environ.get("WANDB_PROJECT", "torchditan"),
+        name=os.environ.get("WANDB_RUN_NAME", dump_folder.name),
+        dir=str(dump_folder),
+        config=job_config.to_dict(),
+    )

@@ -7,12 +7,19 @@ from torchtitan.datasets.loader import DiffusionDataLoader, PoissonDataLoader
 __all__ = ["DiffusionDataLoader", "PoissonDataLoader", "build_dataloader", "build_dataset"]
 
 
-def build_dataset(training_config, model_args, latent_scale_factor: float = 0.0) -> Dataset:
+def build_dataset(training_config, model_args, latent_config=None) -> Dataset:
     """The dataset named by `training.dataset`, checked against the model's input shape.
+
+    Args:
+        training_config: the `[training]` section (dataset, dataset_path, image_size).
+        model_args: the model's args (in_channels, input_size, num_classes).
+        latent_config: the `[latent]` section; for dataset 'latents' its scale_factor replaces the stored
+            normalization when > 0, and its tokenizer, when set, must be the one the latents were encoded with.
 
     Raises:
         FileNotFoundError: the dataset path is missing or empty (the message names it).
-        ValueError: the data's channels, size or classes disagree with the model.
+        ValueError: the data's channels, size or classes disagree with the model, or the latents' tokenizer with
+            `[latent]`.
     """
     name = training_config.dataset
     size = training_config.image_size or model_args.input_size
@@ -27,15 +34,23 @@ def build_dataset(training_config, model_args, latent_scale_factor: float = 0.0)
     elif name == "imagefolder":
         from torchtitan.datasets.imagefolder import ImageFolderDataset
 
-        dataset = ImageFolderDataset(training_config.dataset_path, size)
+        dataset = ImageFolderDataset(
+            training_config.dataset_path,
+            size,
+            skip_unreadable_images=training_config.dataloader.skip_unreadable_images,
+        )
     elif name == "cifar10":
         from torchtitan.datasets.cifar10 import CIFAR10Dataset
 
         dataset = CIFAR10Dataset(training_config.dataset_path)
     elif name == "latents":
-        from torchtitan.datasets.latents import LatentShardDataset
+        from torchtitan.config_manager import Latent
+        from torchtitan.datasets.latents import LatentShardDataset, check_tokenizer_matches
 
-        dataset = LatentShardDataset(training_config.dataset_path, scale_factor=latent_scale_factor)
+        latent_config = latent_config or Latent()
+        dataset = LatentShardDataset(training_config.dataset_path, scale_factor=latent_config.scale_factor)
+        if latent_config.tokenizer:  # without one the latents train as they are (no decoding)
+            check_tokenizer_matches(dataset.meta, latent_config, source=dataset.root)
     else:
         raise ValueError(f"training.dataset = {name!r} is not a known dataset")
     _check_matches_model(name, dataset, model_args)
@@ -59,9 +74,12 @@ def _check_matches_model(name: str, dataset: Dataset, model_args) -> None:
 
 
 def build_dataloader(training_config, model_args, dp_rank: int, dp_world: int, seed: int, poisson_steps: int = 0,
-                     latent_scale_factor: float = 0.0):  # fmt: skip
-    """Shuffled fixed-size batches, or with poisson_steps > 0 Poisson-sampled ones (DP-SGD)."""
-    dataset = build_dataset(training_config, model_args, latent_scale_factor)
+                     latent_config=None):  # fmt: skip
+    """Shuffled fixed-size batches, or with poisson_steps > 0 Poisson-sampled ones (DP-SGD).
+
+    `latent_config` is the `[latent]` section, passed to `build_dataset`.
+    """
+    dataset = build_dataset(training_config, model_args, latent_config)
     if poisson_steps:
         from torchtitan.dp.sampling import PoissonBatchSampler
 

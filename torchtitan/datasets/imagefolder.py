@@ -7,7 +7,12 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from torchtitan.tools.logging import logger
+
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".JPEG")
+# What PIL raises for a file it cannot decode: OSError for a truncated or corrupt stream ("image file is
+# truncated", UnidentifiedImageError) and for the read itself, SyntaxError from some format plugins.
+UNREADABLE_IMAGE_ERRORS = (OSError, SyntaxError)
 
 
 def center_crop_arr(image: Image.Image, image_size: int) -> Image.Image:
@@ -39,25 +44,74 @@ def list_image_folder(root: str) -> tuple[list[tuple[Path, int]], list[str]]:
 
 
 class ImageFolderDataset(Dataset):
-    """RGB images (3, size, size) in [-1, 1] with random horizontal flips."""
+    """RGB images (3, size, size) in [-1, 1] with random horizontal flips.
 
-    def __init__(self, root: str, image_size: int, random_flip: bool = True):
+    Args:
+        root: the folder of class subfolders.
+        image_size: the side of the square center crop.
+        random_flip: flip horizontally with probability 1/2.
+        skip_unreadable_images: an image that cannot be decoded is logged by name and replaced by the next
+            readable one (the next index, wrapping), with its label; `skipped` holds the skipped files.
+            Without it, reading such an image raises an OSError naming the file.
+
+    With loader workers each worker holds its own copy of the dataset: its warnings carry that worker's count,
+    and `skipped` of the main process's copy sees only what the main process read.
+    """
+
+    def __init__(self, root: str, image_size: int, random_flip: bool = True, skip_unreadable_images: bool = False):
+        self.root = root
         self.samples, self.classes = list_image_folder(root)
         self.num_classes = len(self.classes)
         self.image_size = image_size
         self.random_flip = random_flip
+        self.skip_unreadable_images = skip_unreadable_images
+        self.skipped: set[Path] = set()
 
     def __len__(self) -> int:
         return len(self.samples)
 
-    def load(self, index: int) -> torch.Tensor:
-        """The center-cropped image (3, H, W) in [-1, 1], not flipped."""
-        with Image.open(self.samples[index][0]) as image:
+    def _read(self, path: Path) -> torch.Tensor:
+        with Image.open(path) as image:
             image = center_crop_arr(image.convert("RGB"), self.image_size)
         return torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1).float() / 127.5 - 1.0
 
+    def load(self, index: int) -> torch.Tensor:
+        """The center-cropped image (3, H, W) in [-1, 1], not flipped.
+
+        Raises:
+            OSError: the file cannot be read or decoded (truncated, corrupt); the message names it.
+        """
+        path = self.samples[index][0]
+        try:
+            return self._read(path)
+        except UNREADABLE_IMAGE_ERRORS as err:
+            raise OSError(
+                f"training.dataset_path: image {path} cannot be read ({type(err).__name__}: {err}); "
+                "training.dataloader.skip_unreadable_images = true replaces such files by the next readable one"
+            ) from err
+
+    def _load_readable(self, index: int) -> tuple[torch.Tensor, int]:
+        """The first readable image from `index` on (wrapping) and its index; the unreadable ones are skipped."""
+        for offset in range(len(self.samples)):
+            candidate = (index + offset) % len(self.samples)
+            path = self.samples[candidate][0]
+            if path in self.skipped:  # already known unreadable: not decoded (and logged) again
+                continue
+            try:
+                return self._read(path), candidate
+            except UNREADABLE_IMAGE_ERRORS as err:
+                self.skipped.add(path)
+                logger.warning(
+                    f"training.dataset_path: skipping unreadable image {path} ({type(err).__name__}: {err}); "
+                    f"the next readable image takes its place; {len(self.skipped)} unreadable image(s) skipped so far"
+                )
+        raise OSError(f"training.dataset_path: none of the {len(self.samples)} images under {self.root} can be read")
+
     def __getitem__(self, index: int):
-        image = self.load(index)
+        if self.skip_unreadable_images:
+            image, index = self._load_readable(index)
+        else:
+            image = self.load(index)
         if self.random_flip and torch.rand(()) < 0.5:
             image = image.flip(-1)
         return image, self.samples[index][1]

@@ -11,7 +11,8 @@ A prepared folder holds `meta.json` (tokenizer, sizes, classes and the latent no
 
 and in its safetensors metadata the tokenizer's kind, name, latent channels and downsample factor, the
 image size and its shard index. Shards are raw latents: the dataset applies the normalization of
-`meta.json` on access, and the decoder undoes it (`LatentNormalization`).
+`meta.json` on access, and the decoder undoes it (`LatentNormalization`). Training and sampling refuse a
+`[latent]` tokenizer other than the one meta.json names (`check_tokenizer_matches`).
 
 The flipped copy is picked at random on each access rather than counted as an extra example: an epoch is
 one pass over the images, and an image and its mirror are never two "different" examples (which would
@@ -34,6 +35,7 @@ SHARD_GLOB = "shard-*.safetensors"
 FORMAT = "torchditan-latents/1"
 # Metadata keys that must agree between every shard of one folder (and with meta.json).
 TOKENIZER_KEYS = ("tokenizer_kind", "tokenizer_name", "latent_channels", "downsample")
+TOKENIZER_META_KEYS = ("kind", "name", "latent_channels", "downsample")  # the same, in meta.json's "tokenizer"
 
 
 def shard_name(index: int) -> str:
@@ -120,6 +122,46 @@ def describe_tokenizer(key: tuple) -> str:
     return f"{kind}:{name} ({channels} channels, downsample {downsample})"
 
 
+def check_tokenizer_matches(meta: dict, latent_config, tokenizer=None, source: str | Path = "") -> None:
+    """Refuses a `[latent]` tokenizer other than the one the prepared latents were encoded with.
+
+    Without this a CI16x16 folder given for CI8x8 latents trains and samples silently, and decodes every
+    latent cell to 16 px instead of 8. Compared: `latent.tokenizer` with the stored kind, the folder name of
+    `latent.checkpoint_dir` with the stored name and, once a tokenizer is loaded, its channels and downsample.
+
+    Args:
+        meta: the prepared folder's meta.json (`read_meta`).
+        latent_config: the `[latent]` section (or anything with `tokenizer` and `checkpoint_dir`).
+        tokenizer: the loaded tokenizer (`latent_channels`, `downsample`), or None before one is loaded.
+        source: the prepared folder, named in the message.
+
+    Raises:
+        ValueError: naming each key that disagrees with both of its values.
+    """
+    stored = meta["tokenizer"]
+    kind, checkpoint_dir = latent_config.tokenizer, str(latent_config.checkpoint_dir)
+    # diffusers tokenizers are named "<class>:<folder>"; a cosmos_jit one by its folder alone.
+    stored_folder = stored["name"].partition(":")[2] if stored["kind"] == "diffusers" else stored["name"]
+    folder = Path(checkpoint_dir)
+    folder_names = {folder.name, folder.resolve().name} if checkpoint_dir else {""}  # the stored name is resolved
+    problems = []
+    if kind != stored["kind"]:
+        problems.append(f"latent.tokenizer = {kind!r} but the latents' tokenizer kind is {stored['kind']!r}")
+    if stored_folder not in folder_names:
+        problems.append(f"latent.checkpoint_dir = {checkpoint_dir!r} is folder {folder.name!r} but the latents "
+                        f"were encoded by folder {stored_folder!r}")  # fmt: skip
+    if tokenizer is not None:
+        for key, value in (("latent_channels", tokenizer.latent_channels), ("downsample", tokenizer.downsample)):
+            if int(value) != int(stored[key]):
+                problems.append(f"{key}: the tokenizer has {value} but the latents {stored[key]}")
+    if problems:
+        where = Path(source) / META_FILE if source else META_FILE
+        raise ValueError(f"{where}: the [latent] tokenizer is not the one these latents were encoded with "
+                         f"({describe_tokenizer(tuple(stored[k] for k in TOKENIZER_META_KEYS))}): "
+                         f"{'; '.join(problems)}. Point latent.tokenizer and latent.checkpoint_dir at that "
+                         "tokenizer, or prepare the data again with this one")  # fmt: skip
+
+
 def combine_moments(parts: list[tuple[float, torch.Tensor, torch.Tensor]]) -> tuple[float, torch.Tensor, torch.Tensor]:
     """Merges per-part (count, mean, M2) of each channel into one (Chan et al.'s parallel variance)."""
     count, mean, m2 = 0.0, None, None
@@ -184,7 +226,7 @@ class LatentShardDataset(Dataset):
             raise FileNotFoundError(f"training.dataset_path: {self.root} lacks shard(s) {missing[:5]} of "
                                     f"{len(expected)} listed in {META_FILE}; run prepare.py again")  # fmt: skip
         tokenizer = self.meta["tokenizer"]
-        want = tuple(str(tokenizer[k]) for k in ("kind", "name", "latent_channels", "downsample"))
+        want = tuple(str(tokenizer[k]) for k in TOKENIZER_META_KEYS)
         for shard in self.shards:
             with safe_open(str(shard), "pt") as f:
                 got = shard_tokenizer(f.metadata() or {})

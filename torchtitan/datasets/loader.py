@@ -53,10 +53,13 @@ class DiffusionDataLoader:
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "loader": self.loader.state_dict()}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, same_layout: bool = True) -> None:
+        """Resumes at the saved position; `same_layout` False (saved by another number of ranks, whose position
+        inside an epoch means other samples here) resumes at the start of the saved epoch."""
         self.epoch = state["epoch"]
         self.sampler.set_epoch(self.epoch)
-        self.loader.load_state_dict(state["loader"])
+        if same_layout:
+            self.loader.load_state_dict(state["loader"])
         self._iterator = None
 
 
@@ -89,5 +92,6 @@ class PoissonDataLoader:
     def state_dict(self) -> dict:
         return self.batch_sampler.state_dict()
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, same_layout: bool = True) -> None:
+        """The step counter: each step's Poisson draw is the same whatever the number of ranks."""
         self.batch_sampler.load_state_dict(state)

@@ -6,13 +6,18 @@ place (`os.replace`, atomic), so a shard that exists is complete: a rerun after 
 the finished shards and encodes only the rest. When every shard exists, rank 0 combines the per-shard
 channel moments into the normalization statistics and writes `meta.json` last; its presence marks a
 finished preparation.
+
+`prepare.py` scripts run their body through `exit_code_of`: an error a user can fix (a missing folder, a
+bad option, a broken tokenizer file) prints one `error: ...` line naming the file or flag and exits with 2.
 """
 
 import argparse
 import json
 import math
 import os
+import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -151,6 +156,7 @@ def prepare_latents(source: Dataset, out: str | Path, tokenizer, *, image_size: 
         True when the folder is complete (meta.json written), False when shards are still missing
         (stopped by max_shards, or another rank's shards are not there yet).
     """
+    check_image_size(tokenizer, image_size)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     num_shards = math.ceil(len(source) / shard_size)
@@ -236,17 +242,53 @@ def build_meta(out: Path, num_shards: int, tokenizer, image_size: int, num_class
     }
 
 
+def check_prepare_args(args: argparse.Namespace) -> None:
+    """Raises ValueError naming the flag of a shared option no preparation can use (before the source is read)."""
+    for flag in ("shard_size", "batch_size"):
+        if getattr(args, flag) <= 0:
+            raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be > 0")
+    for flag in ("num_workers", "max_shards"):
+        if getattr(args, flag) < 0:
+            raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 0")
+    if args.normalization == "scale" and not (math.isfinite(args.scale_factor) and args.scale_factor > 0):
+        raise ValueError(f"--scale-factor {args.scale_factor}: must be a finite number > 0 with --normalization scale")
+
+
+def check_image_size(tokenizer, image_size: int) -> None:
+    """Refuses an image side the tokenizer cannot take whole (a partial latent cell decodes to a larger image)."""
+    f = tokenizer.downsample
+    if image_size % f:
+        lower, upper = image_size // f * f, (image_size // f + 1) * f
+        sizes = f"{lower} or {upper}" if lower else f"{upper}"
+        raise ValueError(f"image size {image_size} (--image-size) is not a multiple of the downsample factor {f} of "
+                         f"{tokenizer.describe()}: use {sizes}")  # fmt: skip
+
+
+def exit_code_of(prepare: Callable[[], int]) -> int:
+    """Runs a prepare.py body; a user's error becomes one `error: ...` line on stderr and exit code 2.
+
+    FileNotFoundError, ValueError and RuntimeError (a missing folder, a bad option, a broken tokenizer
+    file) name the file or flag at fault. A traceback would say no more, and under torchrun its summary shows
+    only "To enable traceback see ...".
+    """
+    try:
+        return prepare()
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
 def run_prepare(args: argparse.Namespace, source: Dataset, image_size: int, num_classes: int,
                 classes: list[str] | None, description: str) -> int:  # fmt: skip
-    """Loads the tokenizer on this rank's device and prepares `source` into `args.out`; the exit code."""
+    """Loads the tokenizer's encoder on this rank's device and prepares `source` into `args.out`; the exit code."""
     from cosmos_latent_decoder import load_tokenizer
 
     rank, world, device = init_distributed()
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    tokenizer = load_tokenizer(args.tokenizer, args.checkpoint_dir, device, dtype)
-    if rank == 0:
-        logger.info(f"{description}: {len(source)} images -> {tokenizer.describe()} on {world} rank(s)")
     try:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        tokenizer = load_tokenizer(args.tokenizer, args.checkpoint_dir, device, dtype, parts=("encoder",))
+        if rank == 0:
+            logger.info(f"{description}: {len(source)} images -> {tokenizer.describe()} on {world} rank(s)")
         prepare_latents(source, args.out, tokenizer, image_size=image_size, num_classes=num_classes,
                         classes=classes, shard_size=args.shard_size, batch_size=args.batch_size,
                         num_workers=args.num_workers, flip=not args.no_flip, normalization=args.normalization,

@@ -68,17 +68,23 @@ class PrivateTraining:
         self.accountant.load_state_dict(state["accountant"])
 
 
-def check_dp_config(job_config, source: str) -> str | None:
+def check_dp_config(job_config) -> str | None:
     """The reason a DP config cannot run (None if it can): combinations the engine does not support."""
     dp = job_config.dp
     if not dp.enable:
         return None
     if job_config.compile.enable:
-        return f"dp.enable with compile.enable in {source}: the engine's per-layer hooks need eager blocks"
+        return (
+            f"dp.enable in {job_config.source_of('dp.enable')} with compile.enable in "
+            f"{job_config.source_of('compile.enable')}: the engine's per-layer hooks need eager blocks"
+        )
     if job_config.quantize.linear.float8.enable:
-        return f"dp.enable with quantize.linear.float8 in {source}: float8 layers have no per-sample rule"
+        return (
+            f"dp.enable in {job_config.source_of('dp.enable')} with quantize.linear.float8.enable in "
+            f"{job_config.source_of('quantize.linear.float8.enable')}: float8 layers have no per-sample rule"
+        )
     if dp.target_epsilon < 0 or not math.isfinite(dp.target_epsilon):
-        return f"dp.target_epsilon = {dp.target_epsilon} in {source}: must be >= 0"
+        return f"dp.target_epsilon = {dp.target_epsilon} in {job_config.source_of('dp.target_epsilon')}: must be >= 0"
     if not 0 < dp.delta < 1:
-        return f"dp.delta = {dp.delta} in {source}: must be in (0, 1)"
+        return f"dp.delta = {dp.delta} in {job_config.source_of('dp.delta')}: must be in (0, 1)"
     return None

@@ -89,6 +89,3 @@ class ParallelDims:
 
     def dp_group(self) -> torch.distributed.ProcessGroup | None:
         return None if self._mesh is None else self._dp_mesh.get_group()
-
-    def dp_shard_rank(self) -> int:
-        return 0 if self._mesh is None else self._mesh["dp_shard"].get_local_rank()

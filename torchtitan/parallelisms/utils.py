@@ -1,5 +1,6 @@
 """apply_* helpers shared by every model's parallelize function; each changes a module in place."""
 
+import contextlib
 from collections import defaultdict
 
 import torch
@@ -7,6 +8,8 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from torchtitan.tools.logging import logger
@@ -26,6 +29,49 @@ _SAVE_LIST = {
 }
 # Custom ops that hold a GEMM, by name (they register when their model module is imported): the GELU MLP.
 _SAVE_CUSTOM = {"torchditan::gelu_mlp"}
+
+
+# In-place random fills: the only init ops whose result depends on how a tensor is split across ranks.
+_RANDOM_FILLS = {
+    torch.ops.aten.uniform_,
+    torch.ops.aten.normal_,
+    torch.ops.aten.random_,
+    torch.ops.aten.bernoulli_,
+    torch.ops.aten.exponential_,
+    torch.ops.aten.geometric_,
+    torch.ops.aten.cauchy_,
+    torch.ops.aten.log_normal_,
+}
+
+
+class _FullTensorRandomFills(TorchDispatchMode):
+    """Each random fill of a sharded (DTensor) tensor draws the whole tensor, as one process would, and keeps this
+    rank's part. A dispatch mode, so fills reached through any wrapper (nn.init.xavier_uniform_, trunc_normal_, a
+    view of a parameter) are caught; it runs before DTensor's own dispatch."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.overloadpacket not in _RANDOM_FILLS or not isinstance(args[0], DTensor):
+            return func(*args, **kwargs)
+        target = args[0]
+        local = target.to_local()
+        full = torch.empty(target.shape, dtype=target.dtype, device=local.device)
+        func(full, *args[1:], **kwargs)  # the same draws, from the same generator, as an unsharded init
+        local.copy_(distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local())
+        return target
+
+
+@contextlib.contextmanager
+def full_tensor_random_init():
+    """Makes a model's `init_weights()` give the same weights in every layout: one process, DDP, FSDP and HSDP.
+
+    Random fills of sharded parameters (xavier_uniform_, normal_, ...) otherwise draw each shard apart: on CPU
+    every shard repeats the same stream, and on CUDA DTensor's offset-based RNG gives the right distribution but
+    other numbers than one process draws. Here every rank draws each whole parameter from the global generator,
+    in the model's order, and keeps its shard: one unsharded parameter at a time is the only extra memory.
+    """
+    with _FullTensorRandomFills():
+        yield
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -216,12 +216,12 @@ def resolve_local_batch_size(cfg, world_size: int, dp_degree: int, device_type: 
     t = cfg.training
     if t.local_batch_size != "auto":
         return t.local_batch_size
-    source = cfg.job.config_file or "the defaults"
-    key = f"training.local_batch_size = 'auto' in {source}"
+    key = f"training.local_batch_size = 'auto' in {cfg.source_of('training.local_batch_size')}"
     if device_type != "cuda":
         raise ConfigError(f"{key}: needs a CUDA device to measure memory on; give a number on {device_type}")
     if t.global_batch_size != -1 and (t.global_batch_size <= 0 or t.global_batch_size % dp_degree):
-        raise ConfigError(f"training.global_batch_size = {t.global_batch_size} in {source} is not divisible by "
+        raise ConfigError(f"training.global_batch_size = {t.global_batch_size} in "
+                          f"{cfg.source_of('training.global_batch_size')} is not divisible by "
                           f"the data-parallel degree {dp_degree}")  # fmt: skip
     share = t.global_batch_size // dp_degree if t.global_batch_size != -1 else None
     limit = share or 4096

@@ -249,6 +249,11 @@ def _activation_parts(args: DiTArgs, batch: int, precision: str, ac_mode: str, a
     counts = {k: kinds.count(k) for k in ("none", "selective", "full") if kinds.count(k)}
     lines.append(f"blocks by activation checkpointing {counts}: "
                  + ", ".join(f"{k} keeps {_fmt(per_block[k])}/image" for k in counts))  # fmt: skip
+    # A block that hands its residual apart (DiTBlock: neither it nor the next is checkpointed) passes on a copy of
+    # gate_mlp (B, D), which the next norm keeps; the copy is what keeps FSDP's backward hook off a view.
+    handed = sum(k == "none" and (i + 1 == len(kinds) or kinds[i + 1] == "none") for i, k in enumerate(kinds))
+    blocks += handed * D * compute
+    lines.append(f"gate_mlp copies handed on by {handed} block(s): {_fmt(handed * D * compute)}/image")
     lines.append(f"outside the blocks (embedders, final layer, loss; eager): {_fmt(head)}/image")
     parts = {"activations": B * (blocks + head)}
     lines.append(f"activations = {B} x ({_fmt(blocks)} + {_fmt(head)}) = {_fmt(parts['activations'])} "

@@ -289,7 +289,9 @@ class DiTBlock(nn.Module):
         mlp_out = self.mlp(h)
         if self.finish_residual:
             return x + gate_mlp.unsqueeze(1) * mlp_out, None, None
-        return x, mlp_out, gate_mlp
+        # The gate leaves as a tensor of its own, not a view into the modulation: FSDP hooks a block's outputs for
+        # backward, and a hook on a view is lost if anything later changes that view in place.
+        return x, mlp_out, gate_mlp.clone()
 
 
 class FinalLayer(nn.Module):

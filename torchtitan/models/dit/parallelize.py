@@ -45,7 +45,7 @@ def parallelize_dit(model: nn.Module, parallel_dims: ParallelDims, job_config) -
     if compile_config.enable and "model" in compile_config.components:
         if compile_config.scope == "model" and parallel_dims.mode != "single":
             raise ConfigError(
-                f"compile.scope = 'model' in {job_config.job.config_file or 'the defaults'}: one device only "
+                f"compile.scope = 'model' in {job_config.source_of('compile.scope')}: one device only "
                 f"(this run is {parallel_dims.mode.upper()}, whose hooks must stay outside compiled code); "
                 "use compile.scope = 'block'"
             )

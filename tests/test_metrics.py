@@ -1,0 +1,39 @@
+"""Metrics sinks: a failing TensorBoard or wandb write is an error in the log, never the end of a run."""
+
+from torchtitan.components.metrics import MetricsLogger
+from torchtitan.config_manager import JobConfig
+
+
+class Broken:
+    def __init__(self):
+        self.calls = 0
+
+    def add_scalar(self, *args):
+        self.calls += 1
+        raise OSError("No space left on device")
+
+    def log(self, *args, **kwargs):
+        self.calls += 1
+        raise ConnectionError("wandb's service went away")
+
+    def close(self):
+        pass
+
+    finish = close
+
+
+def test_a_failing_sink_is_logged_and_left_off(tmp_path, caplog):
+    logger = MetricsLogger(JobConfig(), tmp_path, rank=0)
+    logger.tb, logger.wandb = Broken(), Broken()
+    tb, wandb = logger.tb, logger.wandb
+    record = {"loss": 1.0, "grad_norm": 2.0, "lr": 1e-3, "images_per_second": 5.0, "step_time_s": 0.1,
+              "data_time_s": 0.0}  # fmt: skip
+    for step in (1, 2, 3):
+        logger.log(step, record)
+    logger.close()
+    assert (tb.calls, wandb.calls) == (1, 1)  # each failed once, then was left off
+    assert logger.tb is None and logger.wandb is None
+    assert "metrics: writing to TensorBoard failed (OSError: No space left on device)" in caplog.text
+    assert "metrics: writing to wandb failed (ConnectionError" in caplog.text
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 3  # metrics.jsonl kept every step
