@@ -37,7 +37,13 @@ from torchtitan.tools.batch_size_finder import resolve_local_batch_size
 from torchtitan.tools.images import save_image_grid
 from torchtitan.tools.logging import init_logger, logger
 from torchtitan.tools.memory_breakdown import build_memory_breakdown
-from torchtitan.tools.utils import GarbageCollection, get_device, set_determinism, settle_sdpa_priority
+from torchtitan.tools.utils import (
+    GarbageCollection,
+    get_device,
+    rank0_error,
+    set_determinism,
+    settle_sdpa_priority,
+)
 from torchtitan.train_spec import build_model_args, get_train_spec
 
 SDPA_BACKENDS = {
@@ -174,11 +180,7 @@ class Trainer:
                 load_training_decoder(cfg, self.device)
             except (FileNotFoundError, ValueError, RuntimeError) as e:
                 error = f"[latent] tokenizer for the sample grids (sampling.freq = {cfg.sampling.freq}): {e}"
-        if dist.is_initialized() and self.world_size > 1:
-            box = [error]
-            dist.broadcast_object_list(box, src=0)
-            error = box[0]
-        if error:
+        if error := rank0_error(error):
             raise ConfigError(error)
 
     def write_config(self) -> None:

@@ -11,7 +11,7 @@ import socket
 import time
 from pathlib import Path
 
-import torch.distributed as dist
+from torchtitan.tools.utils import rank0_error
 
 LOCK_NAME = "run.lock"
 
@@ -56,10 +56,7 @@ def acquire_run_lock(folder: Path, rank: int) -> RunLock | None:
             lock = RunLock(folder)
         except RunFolderLockedError as e:
             error = str(e)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [error]
-        dist.broadcast_object_list(box, src=0)
-        error = box[0]
+    error = rank0_error(error)
     if error:
         raise RunFolderLockedError(error)
     return lock

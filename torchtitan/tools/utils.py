@@ -106,3 +106,15 @@ def settle_sdpa_priority(device: torch.device) -> None:
     if device.type == "cuda":
         q = torch.randn(1, 1, 8, 64, device=device, dtype=torch.bfloat16)
         torch.nn.functional.scaled_dot_product_attention(q, q, q)
+
+
+def rank0_error(error: str) -> str:
+    """Rank 0's error message (or ""), on every rank: a check only rank 0 makes (a file lock, loading the sample
+    decoder) then stops every rank alike instead of leaving the others waiting in a collective."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    return error
