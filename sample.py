@@ -125,7 +125,7 @@ class Sampler:
         self.seed = args.seed
         self.autocast = device.type == "cuda"
         if cfg.latent.tokenizer:
-            from cosmos_latent_decoder import load_training_decoder
+            from torchtitan.datasets.tokenizers import load_training_decoder
 
             # Before any sampling: a tokenizer other than the prepared latents' is refused now, not after a batch.
             load_training_decoder(cfg, device)
@@ -142,7 +142,7 @@ class Sampler:
             x = sample_images(self.diffusion, self.model, noise, y, self.steps, self.sampler, self.cfg_scale,
                               a.num_classes, clip_denoised=not latent)  # fmt: skip
         if latent:
-            from cosmos_latent_decoder import decode_for_training
+            from torchtitan.datasets.tokenizers import decode_for_training
 
             x = decode_for_training(self.cfg, x)
         return x.float().clamp(-1, 1)

@@ -1,4 +1,4 @@
-"""Times the fused adaLN norm (torchtitan/models/dit/adaln_norm.py) against Inductor's code for the same maths.
+"""Times the fused adaLN norm (torchtitan/kernels/adaln_norm.py) against Inductor's code for the same maths.
 
 One DiT norm with the gated residual add before it, forward and backward, at a DiT's activation shape:
 
@@ -13,7 +13,7 @@ import argparse
 
 import torch
 
-from torchtitan.models.dit import adaln_norm as an
+from torchtitan.kernels import adaln_norm as an
 
 
 def kernel_ms(fn, iters: int = 10) -> tuple[float, list[tuple[str, float]]]:

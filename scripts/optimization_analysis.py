@@ -2,9 +2,10 @@
 
     python scripts/optimization_analysis.py outputs/ [--out outputs/analysis] [--skip 1]
 
-Reads every run folder under the given one (status.json, config.toml, metrics.jsonl; see
+Reads every run folder under the given one (status.json with the run's knobs, config.toml, metrics.jsonl; see
 scripts/run_ablation.py), keeps warm steps only (the first `--skip` logged steps hold compilation and
-warmup), and writes into --out:
+warmup) and summarizes each run with scripts/lib's `warm_metrics` (median step time, images/s and MFU; peak
+memory the warm maximum; a run with no warm step has none), then writes into --out:
 - <size>_<knob>.png for knob in compile, ac, parallelism, precision: images/s, MFU and peak memory against
   the local batch size; one thin line per setting of the other knobs, a thick line for the median of the settings
   run with every value of the knob (matched),
@@ -15,7 +16,6 @@ MFU and reserved memory exist only on GPUs; on CPU runs their columns stay empty
 """
 
 import argparse
-import json
 import statistics
 import sys
 import tomllib
@@ -25,18 +25,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from scripts.lib import parallelism, read_status, warm_metrics  # noqa: E402
 from scripts.run_ablation import parse_name  # noqa: E402
 
 KNOBS = ("compile", "ac", "parallelism", "precision")
 # Per knob, the value the others are compared against.
 BASELINES = {"compile": [False], "ac": ["none"], "precision": ["fp32"], "parallelism": ["ddp", "fsdp", "single"]}
 METRICS = (("images_per_second", "images/s"), ("mfu", "MFU %"), ("peak_memory_gib", "peak active memory GiB"))
-
-
-def _parallelism(replicate: int, shard: int) -> str:
-    if replicate > 1 and shard > 1:
-        return "hsdp"
-    return "fsdp" if shard > 1 else ("ddp" if replicate > 1 else "single")
 
 
 def knobs_from_config(config: dict) -> dict:
@@ -51,38 +46,19 @@ def knobs_from_config(config: dict) -> dict:
     return {k: v for k, v in knobs.items() if v is not None}
 
 
-def summarize_metrics(records: list[dict], skip: int) -> dict:
-    """Medians over the warm records (after the first `skip`); peak memory is the warm maximum."""
-    warm = records[skip:] or records[-1:]
-    out = {"warm_steps": len(records[skip:])}
-    for key in ("images_per_second", "mfu", "tflops", "step_time_s"):
-        values = [r[key] for r in warm if key in r]
-        if values:
-            out[key] = statistics.median(values)
-    for key, name in (("memory_peak_active_gib", "peak_memory_gib"), ("memory_peak_reserved_gib", "reserved_gib")):
-        values = [r[key] for r in warm if key in r]
-        if values:
-            out[name] = max(values)
-    return out
-
-
 def load_run(folder: Path, skip: int = 1) -> dict | None:
     """One run's knobs, status and warm metrics; None for folders that are not runs."""
-    status_file, config_file, metrics_file = (folder / n for n in ("status.json", "config.toml", "metrics.jsonl"))
-    if not status_file.is_file() and not metrics_file.is_file():
+    status, config_file, has_metrics = read_status(folder), folder / "config.toml", (folder / "metrics.jsonl").is_file()
+    if not status and not has_metrics:
         return None
-    run = {"name": folder.name, **(parse_name(folder.name) or {})}
-    status = json.loads(status_file.read_text()) if status_file.is_file() else {}
-    run.update(status.get("spec", {}))
+    run = {"name": folder.name, **(parse_name(folder.name) or {}), **status.get("knobs", {})}
     if config_file.is_file():  # what train.py actually ran (e.g. CPU runs are forced to fp32)
         run.update(knobs_from_config(tomllib.loads(config_file.read_text())))
-    run["status"] = status.get("status", "ok" if metrics_file.is_file() else "unknown")
+    run["status"] = status.get("status", "ok" if has_metrics else "unknown")
     if "replicate" in run and "shard" in run:
-        run["parallelism"] = _parallelism(run["replicate"], run["shard"])
-    if metrics_file.is_file():
-        records = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
-        if records and run["status"] == "ok":
-            run.update(summarize_metrics(records, skip))
+        run["parallelism"] = parallelism(run["replicate"], run["shard"])
+    if run["status"] == "ok":
+        run.update(warm_metrics(folder, skip))
     return run
 
 

@@ -4,13 +4,16 @@ Variants (each a named set of train.py overrides, run at the same batch for the 
 fp32 with math attention (the baseline), bf16 with math attention, bf16 with flash attention (then cuDNN),
 bf16 with windowed attention for each `--windows` size (FlexAttention block mask over the 2D token
 neighbourhood), bf16 with full and per-op selective activation checkpointing, and flash + full AC,
-window + full AC. Every run is train.py on dummy data, logged every step, recorded as scripts/run_ablation.py
-records runs (`<output dir>/<variant>/`: config.toml, metrics.jsonl, train.log, status.json ok/OOM/failed);
-`--max-batch` also asks the batch-size finder for each variant's largest batch (fresh-process probes).
+window + full AC. Every variant is a scripts/lib `Run` (train.py on dummy data, logged every step) that
+scripts/lib's `execute` records (`<output dir>/<variant>/`: config.toml, metrics.jsonl, train.log,
+status.json ok / OOM / failed (exit code) / timeout); `--max-batch` also asks the batch-size finder for each
+variant's largest batch (scripts/lib's `find_max_batch`: probes are short runs of the variant, recorded under
+`max_batch/<variant>/`, the answer in `max_batch/<variant>.json`).
 
 Writes `<output dir>/attention_lab.md` (a table) and `attention_lab.json`: variant, status, batch, peak
-memory, max batch, step time and images/s (medians over warm steps: the first `--skip` logged steps hold
-compilation and warmup), final loss, from each run's metrics.jsonl.
+memory, max batch, step time and images/s, final loss, from each run's metrics.jsonl through scripts/lib's
+`warm_metrics` (medians over the warm steps: the first `--skip` logged steps hold compilation and warmup;
+`warm_steps` lists the warm steps' numbers, it was their count before the scripts shared scripts/lib).
 
     python scripts/run_attention_lab.py [--flavor DiT-B/2] [--batch 64] [--steps 20] [--max-batch]
         [--variants "fp32 bf16 bf16_flash"] [--dry-run] [train.py flags ...]
@@ -18,19 +21,15 @@ compilation and warmup), final loss, from each run's metrics.jsonl.
 
 import argparse
 import json
-import re
 import shlex
 import sys
 import tomllib
-from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scripts.optimization_analysis import summarize_metrics  # noqa: E402
-from scripts.run_ablation import already_done, execute  # noqa: E402
-from torchtitan.tools.batch_size_finder import ProbeFailed, find_max_local_batch_size  # noqa: E402
+from scripts import lib  # noqa: E402  (needs the repository root on the path)
 
 FP32 = ["--training.mixed_precision_param", "float32"]
 BF16 = ["--training.mixed_precision_param", "bfloat16"]
@@ -40,78 +39,53 @@ AC_FULL = ["--activation_checkpoint.mode", "full"]
 AC_SELECTIVE = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
 
 
-@dataclass
-class Variant:
-    """One point of the lab: a name and the train.py flags that make it (after the common ones)."""
-
-    name: str
-    overrides: list[str]
-    parallelism: str = "single"  # status.json's field, as scripts/run_ablation.py writes it
-
-
 def window(w: int) -> list[str]:
     return ["--model.attn_window", str(w)]
 
 
-def variants(windows: list[int], combo_window: int) -> list[Variant]:
-    """The lab's grid, baseline first."""
-    grid = [Variant("fp32", FP32 + MATH), Variant("bf16", BF16 + MATH), Variant("bf16_flash", BF16 + FLASH)]
-    grid += [Variant(f"bf16_window{w}", BF16 + window(w)) for w in windows]  # FlexAttention, whatever the SDPA order
-    grid += [Variant("bf16_ac_full", BF16 + MATH + AC_FULL), Variant("bf16_ac_selective", BF16 + MATH + AC_SELECTIVE),
-             Variant("bf16_flash_ac_full", BF16 + FLASH + AC_FULL),
-             Variant(f"bf16_window{combo_window}_ac_full", BF16 + window(combo_window) + AC_FULL)]  # fmt: skip
+def variants(windows: list[int], combo_window: int) -> dict[str, list[str]]:
+    """The lab's grid, baseline first: variant name -> the train.py flags that make it (after the common ones)."""
+    grid = {"fp32": FP32 + MATH, "bf16": BF16 + MATH, "bf16_flash": BF16 + FLASH}
+    grid |= {f"bf16_window{w}": BF16 + window(w) for w in windows}  # FlexAttention, whatever the SDPA order
+    grid |= {"bf16_ac_full": BF16 + MATH + AC_FULL, "bf16_ac_selective": BF16 + MATH + AC_SELECTIVE,
+             "bf16_flash_ac_full": BF16 + FLASH + AC_FULL,
+             f"bf16_window{combo_window}_ac_full": BF16 + window(combo_window) + AC_FULL}  # fmt: skip
     return grid
 
 
-def common_args(args, with_batch: bool = True) -> list[str]:
-    """train.py flags every variant shares, after the config file (the finder's probes set their own batch)."""
-    flags = ["--model.flavor", args.flavor, "--training.dataset", "dummy",
-             "--training.steps", str(args.steps), "--training.global_batch_size=-1", "--metrics.log_freq", "1",
-             "--metrics.enable_tensorboard", "false", "--metrics.enable_wandb", "false", "--sampling.freq", "0",
-             "--checkpoint.enable", "false", "--compile.enable", str(args.compile).lower()]  # fmt: skip
-    return flags + (["--training.local_batch_size", str(args.batch)] if with_batch else [])
+def variant_run(name: str, overrides: list[str], args, extra: list[str], probe_batch: int = 0) -> lib.Run:
+    """A variant's run: the config, the flags every variant shares, its overrides, then `extra` (the scripts'
+    "$@"), last so it wins. A finder probe (`probe_batch`) runs --probe-steps steps at that batch."""
+    steps, batch = (args.probe_steps, str(probe_batch)) if probe_batch else (args.steps, args.batch)
+    shared = ["--job.config_file", args.config, "--model.flavor", args.flavor, "--training.dataset", "dummy",
+              "--training.steps", str(steps), "--training.local_batch_size", batch,
+              "--training.global_batch_size=-1", "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
+              "--metrics.enable_wandb", "false", "--sampling.freq", "0", "--checkpoint.enable", "false",
+              "--compile.enable", str(args.compile).lower()]  # fmt: skip
+    knobs = {"variant": name, "overrides": shlex.join(overrides)}
+    return lib.Run(f"{name}_bs{probe_batch}" if probe_batch else name, [*shared, *overrides, *extra], knobs=knobs)
 
 
-def train_command(variant: Variant, args, extra: list[str]) -> list[str]:
-    """One run's command; `extra` (the scripts' "$@") comes last, so it wins."""
-    run_dir = Path(args.output_dir) / variant.name
-    return [sys.executable, "train.py", "--job.config_file", args.config, *common_args(args), *variant.overrides,
-            "--job.dump_folder", str(run_dir), *extra]  # fmt: skip
+def max_batch(name: str, overrides: list[str], args, extra: list[str]) -> dict:
+    """The finder's answer for a variant ({"batch": ..., ...}; batch None and "error" when a probe failed)."""
+    folder = Path(args.output_dir) / "max_batch" / name
+    return lib.find_max_batch(lambda b: variant_run(name, overrides, args, extra, probe_batch=b), folder,
+                              args.max_batch_limit, args.timeout or None, args.force)  # fmt: skip
 
 
-def max_batch(variant: Variant, args, extra: list[str]) -> dict:
-    """The finder's answer for a variant ({"batch": ..., ...} or {"error": ...}), kept under max_batch/."""
-    found_file = Path(args.output_dir) / "max_batch" / f"{variant.name}.json"
-    if found_file.is_file() and not args.force:  # the probes are the expensive part: keep their answer
-        return json.loads(found_file.read_text())
-    probe_dir = found_file.with_suffix("")  # the probes' own run folder
-    train_args = [*common_args(args, with_batch=False), *variant.overrides, *extra, "--job.dump_folder",
-                  str(probe_dir)]  # fmt: skip
-    try:
-        result = find_max_local_batch_size(args.config, train_args, steps=args.probe_steps, limit=args.max_batch_limit)
-    except (ProbeFailed, ValueError) as e:  # a probe that fails without an OOM, or a config that does not parse
-        result = {"batch": None, "error": str(e)}
-    found_file.parent.mkdir(parents=True, exist_ok=True)
-    found_file.write_text(json.dumps(result, indent=1))
-    return result
-
-
-def summarize(variant: Variant, run_dir: Path, skip: int, found: dict | None) -> dict:
+def summarize(run: lib.Run, run_dir: Path, skip: int, found: dict | None) -> dict:
     """One row of the table, from the run folder (status.json, config.toml, metrics.jsonl)."""
-    status = json.loads((run_dir / "status.json").read_text()) if (run_dir / "status.json").is_file() else {}
-    row = {"variant": variant.name, "status": status.get("status", "not run")}
+    row = {"variant": run.knobs["variant"], "status": lib.read_status(run_dir).get("status", "not run")}
     if (run_dir / "config.toml").is_file():  # the batch train.py ran ("auto" resolved)
         row["batch"] = tomllib.loads((run_dir / "config.toml").read_text())["training"]["local_batch_size"]
-    metrics = run_dir / "metrics.jsonl"
-    lines = metrics.read_text().splitlines() if metrics.is_file() else []
-    records = [json.loads(line) for line in lines if line.strip()]
+    records = lib.read_jsonl(run_dir / "metrics.jsonl")
     if records and row["status"] == "ok":
-        row.update(summarize_metrics(records, skip))
+        row.update(lib.warm_metrics(run_dir, skip))
         row["final_loss"] = records[-1]["loss"]
     if found is not None:
         row["max_batch"] = found.get("batch")
         row["max_batch_peak_memory_gib"] = found.get("peak_memory_gib")
-    row["overrides"] = shlex.join(variant.overrides)
+    row["overrides"] = run.knobs["overrides"]
     return row
 
 
@@ -132,10 +106,6 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _words(text: str) -> list[str]:
-    return [w for w in re.split(r"[,\s]+", text) if w]
-
-
 def parse_args(argv: list[str] | None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="train_configs/dit_xl2_latent256.toml", help="TOML every run starts from")
@@ -149,40 +119,31 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--compile", action="store_true", help="compile the blocks in every variant")
     parser.add_argument("--max-batch", action="store_true", help="also find each variant's largest batch (probes)")
     parser.add_argument("--max-batch-limit", type=int, default=1024, help="largest batch the finder tries")
-    parser.add_argument("--probe-steps", type=int, default=2, help="timed steps per finder probe")
+    parser.add_argument("--probe-steps", type=int, default=2, help="training steps per finder probe")
     parser.add_argument("--output-dir", default="outputs/attention_lab")
-    parser.add_argument("--timeout", type=float, default=0, help="seconds per run (0: none)")
-    parser.add_argument("--force", action="store_true", help="rerun variants already ok, probe again")
-    parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
-    args, extra = parser.parse_known_args(argv)
-    return args, [a for a in extra if a != "--"]
+    return lib.parse_script_args(parser, argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args, extra = parse_args(argv)
-    grid = variants([int(w) for w in _words(args.windows)], args.combo_window)
+    grid = variants([int(w) for w in lib.words(args.windows)], args.combo_window)
     if args.variants:
-        wanted = _words(args.variants)
-        unknown = sorted(set(wanted) - {v.name for v in grid})
+        wanted = lib.words(args.variants)
+        unknown = sorted(set(wanted) - set(grid))
         if unknown:
-            raise SystemExit(f"unknown variants {unknown}; known: {[v.name for v in grid]}")
-        grid = [v for v in grid if v.name in wanted]
+            raise SystemExit(f"unknown variants {unknown}; known: {list(grid)}")
+        grid = {name: overrides for name, overrides in grid.items() if name in wanted}
     output_dir = Path(args.output_dir)
     print(f"{len(grid)} variants of {args.flavor}, batch {args.batch}, {args.steps} steps each -> {output_dir}/")
     rows = []
-    for variant in grid:
-        cmd = train_command(variant, args, extra)
+    for name, overrides in grid.items():
+        run, run_dir = variant_run(name, overrides, args, extra), output_dir / name
         if args.dry_run:
-            print(f"{variant.name}: {shlex.join(cmd)}")
+            print(f"{name}: {shlex.join(lib.train_command(run, run_dir))}")
             continue
-        run_dir = output_dir / variant.name
-        if already_done(run_dir) and not args.force:
-            print(f"{variant.name}: ok already, skipped (--force reruns)")
-        else:
-            execute(variant, cmd, run_dir, args.timeout or None)
-        status = json.loads((run_dir / "status.json").read_text())["status"]
-        found = max_batch(variant, args, extra) if args.max_batch and status in ("ok", "OOM") else None
-        rows.append(summarize(variant, run_dir, args.skip, found))
+        status = lib.execute(run, run_dir, args.timeout or None, args.force)["status"]
+        found = max_batch(name, overrides, args, extra) if args.max_batch and status in ("ok", "OOM") else None
+        rows.append(summarize(run, run_dir, args.skip, found))
     if args.dry_run:
         return 0
     table = format_table(rows)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchtitan.tools.triton_support import triton_interpreting
+from torchtitan.kernels.triton_support import triton_interpreting
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -2,7 +2,7 @@
 
     python -m torch.distributed.run --nproc_per_node=N tests/layout_grads.py OUT_DIR NAME='--key value ...' ...
 
-For each NAME, builds the Trainer from train.py with those arguments, re-draws every parameter off its
+For each NAME, builds the Trainer (torchtitan/trainer.py) from train.py's arguments, re-draws every parameter off its
 initialization (adaLN-Zero starts every gate and the final layer at 0, which would hide most gradients), runs one
 step's forward and backward through `Trainer.forward_backward`, and rank 0 saves {parameter name: full gradient} and
 the trainer's own gradient norm to OUT_DIR/NAME.pt, with the weights as initialized.
@@ -17,10 +17,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import train  # noqa: E402
 from torchtitan.components.ema import clean_fqn  # noqa: E402
 from torchtitan.config_manager import parse_args  # noqa: E402
 from torchtitan.parallelisms.utils import full_tensor_random_init  # noqa: E402
+from torchtitan.trainer import Trainer  # noqa: E402
 
 
 @torch.no_grad()
@@ -35,12 +35,12 @@ def perturb(model: torch.nn.Module, seed: int = 1234) -> None:
 
 
 def first_step_gradients(args: list[str], dump_folder: Path) -> dict:
-    trainer = train.Trainer(parse_args([*args, "--job.dump_folder", str(dump_folder)]))
+    trainer = Trainer(parse_args([*args, "--job.dump_folder", str(dump_folder)]))
     init = {clean_fqn(n): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
             for n, p in trainer.model.named_parameters()}  # fmt: skip
     perturb(trainer.model)
     for micro in range(trainer.grad_accum_steps):
-        trainer.forward_backward(*trainer.next_batch(), micro)
+        trainer.forward_backward(trainer.next_batch(), micro)
     grads = {}
     for name, p in trainer.model.named_parameters():
         grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad

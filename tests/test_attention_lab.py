@@ -9,7 +9,6 @@ import tomllib
 
 import scripts.run_attention_lab as lab
 from tests.conftest import ROOT, read_metrics
-from torchtitan.tools.batch_size_finder import ProbeFailed
 
 
 def test_grid_dry_run_through_the_shell_script():
@@ -32,42 +31,47 @@ def test_grid_dry_run_through_the_shell_script():
 
 def test_tiny_grid_reports_what_the_runs_measured(tmp_path, monkeypatch):
     grid = lab.variants  # plus a variant that cannot start: 16 latent cells do not split into patches of 3
-    monkeypatch.setattr(lab, "variants", lambda *a: [*grid(*a), lab.Variant("broken", ["--model.patch_size", "3"])])
-    probed = []
+    monkeypatch.setattr(lab, "variants", lambda *a: {**grid(*a), "broken": ["--model.patch_size", "3"]})
+    probed = {}
 
-    def fake_finder(config, train_args, steps, limit):
-        probed.append(train_args)
-        if "--model.attn_window" in train_args:
-            raise ProbeFailed("batch 8: failed (1)")
+    def fake_finder(run_at, folder, limit, timeout, force):  # scripts/lib's find_max_batch, tested in test_scripts_lib
+        probed[folder.name] = (run_at(8), folder, limit)
+        if "bf16_window2" in folder.name:
+            return {"batch": None, "start": 1, "error": "batch 8: failed (1)"}
         return {"batch": 12, "peak_memory_gib": 1.5, "start": 8, "probes": []}
 
-    monkeypatch.setattr(lab, "find_max_local_batch_size", fake_finder)
+    monkeypatch.setattr(lab.lib, "find_max_batch", fake_finder)
     out = tmp_path / "lab"
     argv = ["--config", str(ROOT / "train_configs/debug_model.toml"), "--flavor", "debug", "--batch", "4",
             "--steps", "3", "--windows", "2", "--variants", "fp32 bf16_window2 broken", "--max-batch",
-            "--output-dir", str(out), "--training.ema_decay", "0"]  # fmt: skip
+            "--max-batch-limit", "64", "--output-dir", str(out), "--training.ema_decay", "0"]  # fmt: skip
     assert lab.main(argv) == 0
     rows = {r["variant"]: r for r in json.loads((out / "attention_lab.json").read_text())}
     table = (out / "attention_lab.md").read_text()
     for name in ("fp32", "bf16_window2"):
         records, row = read_metrics(out / name), rows[name]
         warm = records[1:]  # --skip 1: the first logged step is left out
-        assert row["status"] == "ok" and row["batch"] == 4 and row["warm_steps"] == 2
+        assert row["status"] == "ok" and row["batch"] == 4 and row["warm_steps"] == [2, 3]
         assert row["final_loss"] == records[-1]["loss"]
         assert row["step_time_s"] == statistics.median(r["step_time_s"] for r in warm)
         assert row["images_per_second"] == statistics.median(r["images_per_second"] for r in warm)
         assert "peak_memory_gib" not in row  # CPU runs log no allocator peak
         line = next(line for line in table.splitlines() if line.startswith(f"| {name} |"))
         assert f"| {records[-1]['loss']:.4f} |" in line and f"| {1000 * row['step_time_s']:.1f} |" in line
-    assert rows["fp32"]["max_batch"] == 12 and rows["bf16_window2"]["max_batch"] is None
-    assert json.loads((out / "max_batch" / "bf16_window2.json").read_text())["error"].startswith("batch 8")
+        status = json.loads((out / name / "status.json").read_text())
+        assert status["knobs"] == {"variant": name, "overrides": row["overrides"]}
+    assert rows["fp32"]["max_batch"] == 12 and rows["fp32"]["max_batch_peak_memory_gib"] == 1.5
+    assert rows["bf16_window2"]["max_batch"] is None
     config = tomllib.loads((out / "bf16_window2" / "config.toml").read_text())
     assert config["model"]["attn_window"] == 2
-    assert "--training.local_batch_size" not in probed[0] and probed[0][-2:] == [
-        "--job.dump_folder",
-        str(out / "max_batch" / "fp32"),
-    ]
-    assert len(probed) == 2  # the broken variant is not probed
+    assert sorted(probed) == ["bf16_window2", "fp32"]  # the broken variant is not probed
+    probe, folder, limit = probed["fp32"]
+    assert probe.name == "fp32_bs8" and folder == out / "max_batch" / "fp32" and limit == 64
+    flags = " ".join(probe.args)  # a short run of the variant at the probed batch, "$@" still last
+    assert "--training.steps 2 --training.local_batch_size 8 " in flags and flags.endswith("--training.ema_decay 0")
+    assert "--training.mixed_precision_param float32 --model.sdpa_backends math" in flags
     broken = json.loads((out / "broken" / "status.json").read_text())
-    assert broken["status"] == rows["broken"]["status"] == "failed" and broken["returncode"] != 0
-    assert "final_loss" not in rows["broken"] and "| broken | failed |" in table
+    assert (
+        broken["returncode"] != 0 and broken["status"] == rows["broken"]["status"] == f"failed ({broken['returncode']})"
+    )
+    assert "final_loss" not in rows["broken"] and "| broken | failed (" in table

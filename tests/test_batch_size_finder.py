@@ -16,11 +16,11 @@ from torchtitan.tools.batch_size_finder import (
     find_max_batch_size,
     find_max_local_batch_size,
     largest_divisor_at_most,
-    ran_out_of_memory,
     resolve_local_batch_size,
 )
 from torchtitan.tools.logging import logger
 from torchtitan.tools.memory_estimate import estimate_from_job_config
+from torchtitan.tools.runs import ran_out_of_memory
 
 DEBUG = str(ROOT / "train_configs/debug_model.toml")
 GIB = 1024**3
@@ -143,12 +143,14 @@ def test_auto_under_torchrun_takes_the_estimate_without_probing():
 
 
 def test_auto_fails_clearly():
+    from torchtitan.config_validation import validate_layout
+
     with pytest.raises(ConfigError, match=r"training.local_batch_size = 'auto' in the command line.*CUDA"):
-        resolve_local_batch_size(auto_config(), 1, 1, "cpu", probe=never)
+        validate_layout(auto_config(), 1, "cpu")
     with pytest.raises(ConfigError, match="not even a batch of 1"):
         resolve_local_batch_size(auto_config(), 1, 1, "cuda", memory_bytes=GIB, probe=planted(0, []))
-    with pytest.raises(ConfigError, match="training.global_batch_size = 30.*degree 4"):
-        resolve_local_batch_size(auto_config("--training.global_batch_size", "30"), 4, 4, "cuda", GIB, never)
+    with pytest.raises(ConfigError, match="training.global_batch_size = 30 .*data-parallel degree 4"):
+        validate_layout(auto_config("--training.global_batch_size", "30"), 4, "cuda")
     assert resolve_local_batch_size(parse_args(["--training.local_batch_size", "5"]), 1, 1, "cpu", probe=never) == 5
 
 

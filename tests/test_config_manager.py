@@ -22,9 +22,9 @@ def test_toml_then_cli_precedence(tmp_path):
 
 
 def test_nested_sections_and_lists(tmp_path):
-    text = "[quantize.linear.float8]\nenable = true\nfilter_fqns = ['a', 'b']\n[training.dataloader]\nnum_workers = 2\n"
+    text = "[quantize.linear.float8]\nemulate = true\nfilter_fqns = ['a', 'b']\n[training.dataloader]\nnum_workers = 2"
     cfg = parse_args(["--job.config_file", write(tmp_path, text), "--compile.components", "model"])
-    assert cfg.quantize.linear.float8.enable and cfg.quantize.linear.float8.filter_fqns == ["a", "b"]
+    assert cfg.quantize.linear.float8.emulate and cfg.quantize.linear.float8.filter_fqns == ["a", "b"]
     assert cfg.training.dataloader.num_workers == 2
     assert cfg.compile.components == ["model"]
 
@@ -126,20 +126,46 @@ def test_help_lists_every_key():
     assert "--training.local_batch_size INT|AUTO" in out
 
 
-@pytest.mark.parametrize("key", ["fused_norm", "fused_mlp", "fused_qkv"])
-def test_fused_kernel_overrides_reach_the_model(key):
-    from torchtitan.train_spec import build_model_args, get_train_spec
+def test_converters_are_named_checked_and_round_trip(tmp_path):
+    assert parse_args([]).model.converters == ["fused_norm", "fused_mlp", "fused_qkv"]  # the kernels of every flavor
+    for given in (["--model.converters", "fused_qkv,float8"], ["--model.converters", ""]):
+        cfg = parse_args(given)
+        again = parse_args(["--job.config_file", write(tmp_path, to_toml(cfg))])
+        assert again.model.converters == cfg.model.converters == [c for c in given[1].split(",") if c]
+    cfg = parse_args(["--job.config_file", write(tmp_path, "[model]\nconverters = ['float8']\n")])
+    assert cfg.model.converters == ["float8"] and cfg.source_of("model.converters") == str(tmp_path / "job.toml")
+    known = r"known: \['fused_norm', 'fused_mlp', 'fused_qkv', 'float8'\]"
+    with pytest.raises(ConfigError, match=rf"model.converters = \[.fused_gelu.\] in the command line: .*{known}"):
+        parse_args(["--model.converters", "fused_gelu"])
+    with pytest.raises(ConfigError, match=r"model.converters = \['float8', 'float8'\] in .*job.toml: 'float8' is"):
+        parse_args(["--job.config_file", write(tmp_path, "[model]\nconverters = ['float8', 'float8']\n")])
 
-    spec = get_train_spec("dit")
-    for value, expected in (("false", False), ("true", True)):
-        assert getattr(build_model_args(spec, parse_args([f"--model.{key}", value]).model), key) is expected
-    assert getattr(build_model_args(spec, parse_args([]).model), key) is True  # the flavor's default
-    with pytest.raises(ConfigError, match=f"model.{key}"):
-        parse_args([f"--model.{key}", "yes"])
+
+@pytest.mark.parametrize(
+    "key, value, converters",
+    [
+        ("model.fused_norm", "false", '["fused_mlp", "fused_qkv"]'),
+        ("model.fused_mlp", "true", '["fused_norm", "fused_mlp", "fused_qkv"]'),
+        ("model.fused_qkv", "false", '["fused_norm", "fused_mlp"]'),
+        ("quantize.linear.float8.enable", "true", '["fused_norm", "fused_mlp", "fused_qkv", "float8"]'),
+    ],
+)
+@pytest.mark.parametrize("given_in", ["toml", "cli"])
+def test_removed_kernel_keys_say_what_to_write(tmp_path, key, value, converters, given_in):
+    # The fused switches and float8.enable are converters now: an old TOML or command line is told the list to write.
+    if given_in == "toml":
+        section, leaf = key.rsplit(".", 1)
+        argv, source = ["--job.config_file", write(tmp_path, f"[{section}]\n{leaf} = {value}\n")], "job.toml"
+    else:
+        argv, source = [f"--{key}", value], "the command line"
+    with pytest.raises(ConfigError) as err:
+        parse_args(argv)
+    message = str(err.value)
+    assert message.startswith(key) and source in message and f"removed; use model.converters = {converters}" in message
 
 
 def test_help_prints_each_key_default_once(capsys, monkeypatch):
-    from torchtitan.config_manager import _leaf_keys
+    from torchtitan.job_config import _leaf_keys
 
     monkeypatch.setenv("COLUMNS", "10000")  # no wrapping inside a key's help text
     with pytest.raises(SystemExit):
@@ -160,7 +186,7 @@ def test_help_prints_each_key_default_once(capsys, monkeypatch):
     assert by_key["--model.sdpa_backends"].endswith('(default: ["cudnn", "flash", "efficient", "math"])')
 
 
-@pytest.mark.parametrize("key", ["qk_norm", "learn_sigma", "fused_norm", "fused_mlp", "fused_qkv"])
+@pytest.mark.parametrize("key", ["qk_norm", "learn_sigma"])
 @pytest.mark.parametrize("value", [True, False, None])
 @pytest.mark.parametrize("given_in", ["toml", "cli"])
 def test_model_booleans_are_optional_booleans_that_round_trip(tmp_path, key, value, given_in):
@@ -192,11 +218,15 @@ def test_model_string_overrides_are_optional_and_old_configs_still_parse(tmp_pat
     cfg = parse_args(["--job.config_file", write(tmp_path, '[model]\nnorm = "rmsnorm"\nlearn_sigma = "true"\n')])
     assert cfg.model.norm == "rmsnorm" and cfg.model.learn_sigma is True  # train_configs wrote "true" strings
     assert cfg.model.mlp is None and cfg.model.pos_embed is None
-    # A config.toml written before the change (which sample.py reads from a run folder): '' meant unset.
-    old = '[model]\npos_embed = ""\nnorm = ""\nmlp = ""\nqk_norm = ""\nfused_norm = ""\nfused_mlp = "false"\n'
+    # A config.toml written before the change (which sample.py reads from a run folder): '' meant unset. The removed
+    # kernel switches pass where they asked for nothing (unset, float8 off: every old config.toml has enable = false).
+    old = '[model]\npos_embed = ""\nnorm = ""\nmlp = ""\nqk_norm = ""\nfused_norm = ""\n'
+    old += "[quantize.linear.float8]\nenable = false\n"
     cfg = parse_args(["--job.config_file", write(tmp_path, old)])
-    assert (cfg.model.pos_embed, cfg.model.norm, cfg.model.qk_norm, cfg.model.fused_norm) == (None, None, None, None)
-    assert cfg.model.fused_mlp is False
+    assert (cfg.model.pos_embed, cfg.model.norm, cfg.model.qk_norm) == (None, None, None)
+    assert cfg.model.converters == ["fused_norm", "fused_mlp", "fused_qkv"]
+    with pytest.raises(ConfigError, match=r"model.fused_mlp = 'false' in .*job.toml: removed; use model.converters"):
+        parse_args(["--job.config_file", write(tmp_path, old.replace("[model]\n", '[model]\nfused_mlp = "false"\n'))])
     assert parse_args(["--job.config_file", write(tmp_path, "[model]\nqk_norm = true\n"), "--model.qk_norm", ""]
                       ).model.qk_norm is None  # fmt: skip
     with pytest.raises(ConfigError, match=r"model.qk_norm = 'yes' in .*job.toml: expected bool"):
@@ -247,15 +277,46 @@ def test_an_error_names_the_source_of_the_key_at_fault(tmp_path, cli_key, cli_va
 
 
 def test_combination_errors_name_each_key_source(tmp_path):
-    from torchtitan.dp.training import check_dp_config
-
     path = write(tmp_path, "[training]\nglobal_batch_size = 60\n[dp]\nenable = true\n")
-    cfg = parse_args(["--job.config_file", path, "--training.local_batch_size", "8", "--compile.enable", "true"])
+    cfg = parse_args(["--job.config_file", path, "--training.local_batch_size", "8"])
     with pytest.raises(ConfigError) as err:
         check_batch_sizes(cfg, dp_degree=2)
     assert f"training.global_batch_size = 60 in {path} is not divisible" in str(err.value)
     assert "training.local_batch_size (in the command line) x data-parallel degree = 8 x 2 = 16" in str(err.value)
-    assert check_dp_config(cfg).startswith(f"dp.enable in {path} with compile.enable in the command line:")
+    with pytest.raises(ConfigError) as err:
+        parse_args(["--job.config_file", path, "--compile.enable", "true"])
+    assert str(err.value).startswith(f"dp.enable in {path} with compile.enable in the command line:")
+
+
+def test_every_bad_key_is_reported_at_once(tmp_path):
+    path = write(tmp_path, "[optimizer]\nlr = -1.0\n[training]\nsteps = 0\n")
+    with pytest.raises(ConfigError) as err:
+        parse_args(["--job.config_file", path, "--sampling.freq", "-2", "--model.converters", "fused_nrom"])
+    message = str(err.value)
+    assert message.startswith("4 problems in the config:")
+    for line in (f"optimizer.lr = -1.0 in {path}: must be > 0", f"training.steps = 0 in {path}: must be > 0",
+                 "sampling.freq = -2 in the command line: must be >= 0",
+                 "model.converters = ['fused_nrom'] in the command line: unknown converter 'fused_nrom'"):  # fmt: skip
+        assert line in message, line
+
+
+def test_layout_checks_name_the_keys(tmp_path):
+    from torchtitan.config_validation import validate_layout
+
+    cfg = parse_args(["--parallelism.data_parallel_replicate_degree", "3", "--compile.enable", "true",
+                      "--compile.scope", "model", "--training.local_batch_size", "auto"])  # fmt: skip
+    with pytest.raises(ConfigError) as err:
+        validate_layout(cfg, world_size=8, device_type="cpu")
+    message = str(err.value)
+    assert "data_parallel_replicate_degree = 3 in the command line: does not divide the world size 8" in message
+    assert "compile.scope = 'model' in the command line: one device only" in message
+    assert "training.local_batch_size = 'auto' in the command line: needs a CUDA device" in message
+    cfg = parse_args(["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree",
+                      "3"])  # fmt: skip
+    with pytest.raises(ConfigError, match=r"data_parallel_replicate_degree with .*shard_degree in the command line: "
+                                          r"2 x 3 != world size 8"):  # fmt: skip
+        validate_layout(cfg, world_size=8, device_type="cpu")
+    validate_layout(parse_args(["--parallelism.data_parallel_replicate_degree", "2"]), 8, "cpu")  # HSDP 2 x 4
 
 
 @pytest.mark.parametrize("argv, key, value", [

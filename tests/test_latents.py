@@ -17,8 +17,6 @@ import sample
 from cosmos_latent_decoder import load_tokenizer
 from tests.conftest import ROOT, TINY, free_port, read_metrics, run_train
 from tests.test_cosmos_latent_decoder import make_image_folder, make_jit_tokenizer, make_sd_vae
-from torchtitan.config_manager import DataLoader as DataLoaderConfig
-from torchtitan.config_manager import Latent, Training
 from torchtitan.datasets import DiffusionDataLoader, build_dataset
 from torchtitan.datasets.imagefolder import ImageFolderDataset
 from torchtitan.datasets.latents import (
@@ -29,6 +27,8 @@ from torchtitan.datasets.latents import (
     read_meta,
 )
 from torchtitan.datasets.prepare_latents import prepare_latents
+from torchtitan.job_config import DataLoader as DataLoaderConfig
+from torchtitan.job_config import Latent, Training
 from torchtitan.models.dit import DiTArgs
 
 TINY_LATENT_ARGS = DiTArgs(input_size=4, in_channels=16, patch_size=2, num_classes=3)  # the fixtures' latents

@@ -7,7 +7,8 @@ import torch
 from PIL import Image
 
 from tests.conftest import ROOT
-from torchtitan.tools.memory_breakdown import PARTS, MemoryBreakdown, measure_breakdown, storage_bytes
+from torchtitan.measure import measure_breakdown
+from torchtitan.tools.memory_breakdown import PARTS, MemoryBreakdown, storage_bytes
 
 ARGS = ["--job.config_file", str(ROOT / "train_configs/debug_model.toml"), "--training.local_batch_size", "8"]
 STAGES = ["init", "forward", "backward", "optimizer_step", "zero_grad"]
@@ -87,34 +88,37 @@ def test_dp_buffers_and_shared_storages():
     assert counted["dp_buffers"] == 123
 
 
-def test_trainer_hook_records_the_first_steps_then_writes(tmp_path):
-    """build_memory_breakdown() as train.py would call it: records the run's first N steps, then writes."""
-    from types import SimpleNamespace
-
-    from torchtitan.tools.memory_breakdown import build_memory_breakdown
+def test_observer_records_the_first_steps_then_writes(tmp_path):
+    """The observer as the trainer calls it: records the run's first N steps (here resumed at step 6), then writes."""
+    from torchtitan.tools.memory_breakdown import MemoryBreakdownObserver
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
     optimizer = torch.optim.AdamW(model.parameters())
-    config = SimpleNamespace(enable_memory_breakdown=True, memory_breakdown_steps=2)
-    hook = build_memory_breakdown(config, model, optimizer, torch.device("cpu"), None, None, tmp_path, rank=0)
-    for step in range(5, 8):  # the trainer's loop, steps counted from 0 (here resumed at 5)
-        with hook.maybe_track(step):
+    observer = MemoryBreakdownObserver(MemoryBreakdown(model, optimizer, torch.device("cpu")), 2, tmp_path, rank=0)
+    for step in range(6, 9):  # the trainer's stages, steps counted from 1
+        with observer.track(step):
             loss = model(torch.randn(4, 8)).square().mean()
-        hook.maybe_record("forward", step)
-        with hook.maybe_track(step):
+        observer.stage("forward", step)
+        with observer.track(step):
             loss.backward()
-        hook.maybe_record("backward", step)
+        observer.stage("backward", step)
         optimizer.step()
-        hook.maybe_record("optimizer_step", step)
+        observer.stage("optimizer_step", step)
         optimizer.zero_grad(set_to_none=True)
-        hook.maybe_record("zero_grad", step)
+        observer.stage("zero_grad", step)
     records = json.loads((tmp_path / "memory_breakdown.json").read_text())["records"]
     assert [(r["step"], r["stage"]) for r in records] == [(0, "init")] + [(s, n) for s in (6, 7) for n in STAGES[1:]]
     assert (tmp_path / "memory_breakdown.png").is_file()
-    off = build_memory_breakdown(SimpleNamespace(), model, optimizer, torch.device("cpu"), None, None, tmp_path, 0)
-    with off.maybe_track(0):
-        off.maybe_record("forward", 0)  # no keys in the config: nothing happens
-    assert off.breakdown is None
+
+
+def test_a_training_run_writes_its_breakdown(tmp_path):
+    """[profiling] enable_memory_breakdown: the trainer's own steps, recorded by the observer at its stages."""
+    from tests.conftest import TINY, run_train
+
+    run_train([*TINY, "--job.dump_folder", str(tmp_path), "--training.steps", "3",
+               "--profiling.enable_memory_breakdown", "true", "--profiling.memory_breakdown_steps", "2"])  # fmt: skip
+    records = json.loads((tmp_path / "memory_breakdown.json").read_text())["records"]
+    assert [(r["step"], r["stage"]) for r in records] == [(0, "init")] + [(s, n) for s in (1, 2) for n in STAGES[1:]]
 
 
 @pytest.mark.parametrize("mode", ["bookkeeping", "flash"])

@@ -1,6 +1,8 @@
 """The analytic memory estimate against real tensors: exact state bytes (one device and FSDP shards on a
-fake 4-rank world) and exact eager activation bytes on CPU."""
+fake 4-rank world) and exact eager activation bytes on CPU, of the plain and the converted model; the kernels' rows
+in the TRITON_INTERPRET=1 child process of `test_kernels_in_interpreter`, where the kernels run on CPU tensors."""
 
+import gc
 import math
 from dataclasses import replace
 
@@ -10,8 +12,11 @@ import torch
 from tests.conftest import ROOT
 from torchtitan.components.ema import EMA
 from torchtitan.config_manager import parse_args
+from torchtitan.dp.testing import rerun_under_triton_interpreter
+from torchtitan.kernels.triton_support import triton, triton_interpreting
+from torchtitan.measure import measure_breakdown
 from torchtitan.models.dit import DiT, dit_configs
-from torchtitan.tools.memory_breakdown import MemoryBreakdown, measure_breakdown, optimizer_tensors, storage_bytes
+from torchtitan.tools.memory_breakdown import MemoryBreakdown, optimizer_tensors, storage_bytes
 from torchtitan.tools.memory_estimate import (
     estimate_from_job_config,
     estimate_memory,
@@ -167,18 +172,36 @@ LLAMA_STYLE = ["--model.norm", "rmsnorm", "--model.mlp", "swiglu", "--model.qk_n
     ],
     ids=["none", "full", "selective_op", "every_2nd", "llama_style", "llama_style_selective", "sincos_uncond"],
 )
-def test_eager_fp32_activations_are_exact_on_cpu(tmp_path, extra):
-    """The estimate's saved-tensor list against what the trainer's first forward leaves alive."""
-    args = [*TINY, *extra, "--job.dump_folder", str(tmp_path)]
+@pytest.mark.parametrize("converters", ["fused_norm,fused_mlp,fused_qkv", ""], ids=["converted", "plain"])
+def test_eager_fp32_activations_are_exact_on_cpu(tmp_path, monkeypatch, extra, converters):
+    """The estimate's saved-tensor list against what the trainer's first forward leaves alive. Converted: on CPU the
+    torch maths with the residual stream handed on in parts (a gate_mlp copy per block); in the interpreter child, the
+    kernels' rows (what the adaLN and SwiGLU kernels keep)."""
+    if triton_interpreting():
+        # Triton's interpreter leaves reference cycles behind its launches, which the trainer's disabled automatic GC
+        # would keep until gc_freq: collected before each record, so the count is of what the step holds.
+        record = MemoryBreakdown.record
+
+        def record_collected(self, *args, **kwargs):
+            gc.collect()
+            return record(self, *args, **kwargs)
+
+        monkeypatch.setattr(MemoryBreakdown, "record", record_collected)
+    args = [*TINY, *extra, "--model.converters", converters, "--job.dump_folder", str(tmp_path)]
     measured = measure_breakdown(args, steps=1)["records"][1]
     assert measured["stage"] == "forward"
     estimate = estimate_from_job_config(parse_args(args), world_size=1, device_type="cpu")
     assert estimate.parts["activations"] == measured["activations"]
 
 
+@pytest.mark.skipif(triton is None or triton_interpreting(), reason="this is the child, or triton is not installed")
+def test_kernels_in_interpreter():
+    rerun_under_triton_interpreter(__file__, min_passed=14)
+
+
 def test_compiled_bf16_estimate_matches_the_h100_measurement():
     """DiT-XL/2 with sin-cos positions (its configs), bf16 autocast, compiled blocks, batch 128: one forward kept
-    282.1 MiB per image on an H100 (docs/benchmarks.md, 2026-11-24)."""
+    282.1 MiB per image on an H100 (docs/memory.md, 2026-11-24)."""
     sincos = estimate_memory(replace(dit_configs["DiT-XL/2"], pos_embed="sincos"), 128, "bf16_autocast", compiled=True)
     assert sincos.parts["activations"] / 128 / 2**20 == pytest.approx(282.1, rel=0.025)
     assert "18.06 residual-stream tensors" in sincos.report()
@@ -216,14 +239,22 @@ def test_cli_prints_the_derivation(capsys):
     out = capsys.readouterr().out
     assert "64 x 256 x 1152 x 2 B = 36.00 MiB" in out and "qkv output" in out
     assert "largest batch whose estimate fits 80.0 GiB:" in out and "after QK-norm / RoPE" in out
-    main(["--flavor", "DiT-XL/2", "--batch", "64", "--compile", "--pos-embed", "sincos"])
+    main(["--flavor", "DiT-XL/2", "--batch", "64", "--compile", "--pos-embed", "sincos", "--converters", ""])
     out = capsys.readouterr().out
     assert "18.06 residual-stream tensors" in out and "after QK-norm / RoPE" not in out
+    # Eager, the default converters' adaLN kernel keeps norm1's x' for norm2 instead of the mid-block residual, and
+    # neither norm output.
+    main(["--flavor", "DiT-XL/2", "--batch", "64", "--pos-embed", "sincos", "--precision", "fp32"])
+    converted = capsys.readouterr().out
+    main(["--flavor", "DiT-XL/2", "--batch", "64", "--pos-embed", "sincos", "--precision", "fp32", "--converters", ""])
+    plain = capsys.readouterr().out
+    assert "20.05 residual-stream tensors" in plain and "17.04 residual-stream tensors" in converted
+    assert "gate_mlp copies handed on by 28 block(s)" in converted and "by 0 block(s)" in plain
 
 
 def test_job_config_estimate_follows_fsdp_reshard_after_forward():
     """`fsdp_reshard_after_forward = "never"` keeps every block's gathered parameters: the 7B flavor on 2 H200s
-    peaked 12.3 GiB higher with it at 16 images a GPU (docs/benchmarks.md, 2026-11-24, night)."""
+    peaked 12.3 GiB higher with it at 16 images a GPU (docs/benchmark_log.md, 2026-11-24, night)."""
     base = ["--job.config_file", str(ROOT / "train_configs/dit_7B_latent.toml"), "--training.local_batch_size", "16"]
     parts = {
         mode: estimate_from_job_config(parse_args([*base, "--parallelism.fsdp_reshard_after_forward", mode]), 2).parts

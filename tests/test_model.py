@@ -1,4 +1,4 @@
-"""DiT model: shapes, adaLN-Zero identity at init, RoPE relativity, FLOP formula, meta build."""
+"""The plain DiT: shapes, the paper's block, adaLN-Zero identity at init, RoPE relativity, FLOP formula, meta build."""
 
 import dataclasses
 
@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from torchtitan.models.dit import DiT, dit_configs, flops_per_image
+from torchtitan.models.dit import DiT, DiTArgs, dit_configs, flops_per_image
 from torchtitan.models.dit import model as dit_model
 from torchtitan.models.dit.rope import apply_rope, build_rope_2d
 
@@ -53,42 +53,41 @@ def test_adaln_zero_blocks_are_identity_at_init():
     h = torch.randn(2, model.args.num_tokens, model.args.dim)
     c = torch.randn(2, model.args.dim)
     for block in model.blocks.values():
-        x, branch, gate = block(h, c, model.rope)  # the stream handed on apart: x + gate * branch
-        torch.testing.assert_close(x + gate.unsqueeze(1) * branch, h, rtol=0, atol=0)
-        block.finish_residual = True
-        torch.testing.assert_close(block(h, c, model.rope), (h, None, None), rtol=0, atol=0)
+        torch.testing.assert_close(block(h, c, model.rope), h, rtol=0, atol=0)
     # The zeroed final layer makes the whole model predict 0.
     out = model(torch.randn(2, 1, 16, 16), torch.tensor([3.0, 4.0]), torch.tensor([1, 2]))
     assert out.abs().max() == 0
 
 
-@pytest.mark.parametrize("every_k", ["1", "2", "3"])
-def test_residual_handed_apart_or_summed_is_the_same_model(every_k):
-    # Blocks hand the residual stream on apart (the next norm adds it) except before a checkpointed block, which
-    # gets it summed: the same operations in the same order, so the same outputs and gradients to the bit.
-    from torchtitan.models.dit.parallelize import apply_dit_ac
-
-    args = tiny(depth=4)
+def test_block_is_the_papers_adaln_zero_block():
+    # DiT's block written out: x + gate * attn(modulate(norm(x))), then the same for the MLP, norms without weights.
     torch.manual_seed(0)
-    model = DiT(args)
-    model.init_weights()
-    perturbed(model)
-    x, t, y = torch.randn(2, 1, 16, 16), torch.tensor([3.0, 700.0]), torch.tensor([1, 2])
-    results = []
-    for checkpointed in (False, True):
-        if checkpointed:
-            apply_dit_ac(model, "selective", every_k)
-            # Every k-th block is checkpointed; it and the block before it finish their residual.
-            k = int(every_k)
-            assert [b.finish_residual for b in model.blocks.values()] == [
-                i % k == 0 or ((i + 1) % k == 0 and i + 1 < args.depth) for i in range(args.depth)
-            ]
-        model.zero_grad()
-        out = model(x, t, y)
-        out.square().sum().backward()
-        results.append([out, *(p.grad.clone() for p in model.parameters())])
-    for a, b in zip(*results, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    args = tiny(norm="rmsnorm", mlp="swiglu")
+    block = dit_model.DiTBlock(args)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x, c = torch.randn(2, 64, args.dim), torch.randn(2, args.dim)
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = block.adaLN_modulation(c).chunk(6, dim=-1)
+
+    def modulated_norm(x, shift, scale):
+        return F.rms_norm(x, (args.dim,), eps=args.norm_eps) * (1 + scale[:, None]) + shift[:, None]
+
+    def mlp(h):
+        gate, up = block.mlp.fc1(h).chunk(2, dim=-1)
+        return block.mlp.fc2(F.silu(gate) * up)
+
+    expected = x + gate_msa[:, None] * block.attn(modulated_norm(x, shift_msa, scale_msa), None)
+    expected = expected + gate_mlp[:, None] * mlp(modulated_norm(expected, shift_mlp, scale_mlp))
+    torch.testing.assert_close(block(x, c, None), expected, rtol=0, atol=0)
+    assert not list(block.norm1.parameters()) and not list(block.norm2.parameters())
+
+
+def test_args_from_an_older_export_drop_the_kernel_switches():
+    # Exports before the converters carried fused_norm/fused_mlp/fused_qkv in their "model_args" metadata.
+    old = {**dataclasses.asdict(tiny()), "fused_norm": True, "fused_mlp": False, "fused_qkv": True}
+    assert DiTArgs.from_dict(old) == tiny()
+    with pytest.raises(TypeError, match="fused_gelu"):
+        DiTArgs.from_dict({**old, "fused_gelu": True})
 
 
 def test_rope_is_relative():

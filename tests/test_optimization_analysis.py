@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from scripts.optimization_analysis import analyze, load_runs
-from scripts.run_ablation import RunSpec, main, parse_name
+from scripts.run_ablation import grid_run, main, parse_name, run_name
 from tests.conftest import ROOT
 from torchtitan.config_manager import JobConfig, to_toml
 
@@ -51,11 +51,19 @@ def test_7b_grids_dry_run():
     assert "dit_7B_bsautops2_actselective_c1bf16p2s2: after find_max_batch_size:" in out
 
 
+def point(batch: int, ac: str, compile: bool, precision: str, size: str = "0.5B") -> dict:
+    """The knobs of a one-GPU grid point, as run_ablation.grid() makes them."""
+    return {"size": size, "batch": batch, "patch": 2, "ac": ac, "compile": compile, "precision": precision,
+            "replicate": 1, "shard": 1, "parallelism": "single"}  # fmt: skip
+
+
 def test_names_round_trip():
-    spec = RunSpec("0.5B", 32, 2, "none", True, "bf16", 1, 1)
-    assert spec.name == "dit_0.5B_bs32ps2_actnone_c1bf16p1s1"
-    assert parse_name(spec.name) == {"size": "0.5B", "batch": 32, "patch": 2, "ac": "none", "compile": True,
-                                     "precision": "bf16", "replicate": 1, "shard": 1}  # fmt: skip
+    knobs = point(32, "none", True, "bf16")
+    assert run_name(knobs) == "dit_0.5B_bs32ps2_actnone_c1bf16p1s1"
+    assert parse_name(run_name(knobs)) == {k: v for k, v in knobs.items() if k != "parallelism"}
+    run = grid_run(knobs, 5, ["--training.steps", "7"])
+    assert run.name == run_name(knobs) and run.nproc == 1 and run.knobs == knobs
+    assert run.args[-4:] == ["--training.local_batch_size", "32", "--training.steps", "7"]  # "$@" last
 
 
 def test_one_real_tiny_run(tmp_path):
@@ -65,30 +73,58 @@ def test_one_real_tiny_run(tmp_path):
     run = tmp_path / "dit_debug_bs4ps2_actnone_c0fp32p1s1"
     status = json.loads((run / "status.json").read_text())
     assert status["status"] == "ok" and status["returncode"] == 0
+    assert status["knobs"] == point(4, "none", False, "fp32", size="debug")
+    assert status["command"].endswith("--training.local_batch_size 4 --training.ema_decay 0")
+    assert "training done" in (run / "train.log").read_text()  # train.py's whole output
     assert (run / "config.toml").is_file()
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]  # every step logged: the first (warmup) apart
     (loaded,) = load_runs(tmp_path)
-    assert loaded["status"] == "ok" and loaded["warm_steps"] == 1 and loaded["parallelism"] == "single"
+    assert loaded["status"] == "ok" and loaded["warm_steps"] == [2] and loaded["parallelism"] == "single"
+    assert loaded["step_time_s"] == records[1]["step_time_s"]  # the one warm step's
 
 
-def fabricate(root, spec: RunSpec, status: str = "ok", images_per_second: float = 100.0, memory: float = 10.0):
+def test_autotune_records_a_setting_that_fits_nowhere(tmp_path, monkeypatch):
+    import scripts.run_ablation as ablation
+
+    answers, asked = iter([{"batch": 0}, {"batch": None, "error": "batch 4: failed (1)"}]), []
+
+    def finder(run_at, folder, limit, timeout, force):  # scripts/lib's find_max_batch, tested in test_scripts_lib
+        asked.append((run_at(4), folder, limit))
+        return next(answers)
+
+    monkeypatch.setattr(ablation.lib, "find_max_batch", finder)
+    grid = ["--size", "debug", "--ngpu", "1", "--autotune", "--autotune-limit", "16", "--probe-steps", "2",
+            "--precisions", "fp32", "--ac", "none full", "--compile", "0", "--output-dir", str(tmp_path)]  # fmt: skip
+    assert main([*grid, "--training.ema_decay", "0"]) == 0
+    probe, folder, limit = asked[0]
+    assert probe.name == "dit_debug_bs4ps2_actnone_c0fp32p1s1" and limit == 16
+    assert folder == tmp_path / "autotune" / "dit_debug_bsautops2_actnone_c0fp32p1s1"
+    assert "--training.steps 2 " in " ".join(probe.args) and probe.args[-2:] == ["--training.ema_decay", "0"]
+    oom = json.loads((tmp_path / "dit_debug_bs1ps2_actnone_c0fp32p1s1" / "status.json").read_text())
+    assert oom["status"] == "OOM" and oom["knobs"]["batch"] == 1 and "batch 1 does not fit" in oom["note"]
+    failed = json.loads((tmp_path / "dit_debug_bs1ps2_actfull_c0fp32p1s1" / "status.json").read_text())
+    assert failed["status"] == "failed (finder)" and failed["note"] == "batch 4: failed (1)"
+    assert {r["status"] for r in load_runs(tmp_path)} == {"OOM", "failed (finder)"}  # the analysis lists them
+
+
+def fabricate(root, knobs: dict, status: str = "ok", images_per_second: float = 100.0, memory: float = 10.0):
     """A run folder as run_ablation.py and train.py leave it; the first logged step is slow (compilation)."""
-    folder = root / spec.name
+    folder = root / run_name(knobs)
     folder.mkdir(parents=True)
     cfg = JobConfig()
-    cfg.model.flavor, cfg.training.local_batch_size = spec.size, spec.batch
-    cfg.training.mixed_precision_param = "float32" if spec.precision == "fp32" else "bfloat16"
-    cfg.parallelism.data_parallel_replicate_degree = spec.replicate
-    cfg.parallelism.data_parallel_shard_degree = spec.shard
-    cfg.activation_checkpoint.mode, cfg.compile.enable = spec.ac, spec.compile
+    cfg.model.flavor, cfg.training.local_batch_size = knobs["size"], knobs["batch"]
+    cfg.training.mixed_precision_param = "float32" if knobs["precision"] == "fp32" else "bfloat16"
+    cfg.parallelism.data_parallel_replicate_degree = knobs["replicate"]
+    cfg.parallelism.data_parallel_shard_degree = knobs["shard"]
+    cfg.activation_checkpoint.mode, cfg.compile.enable = knobs["ac"], knobs["compile"]
     (folder / "config.toml").write_text(to_toml(cfg))
-    (folder / "status.json").write_text(json.dumps({"name": spec.name, "status": status, "spec": vars(spec)}))
+    (folder / "status.json").write_text(json.dumps({"name": folder.name, "status": status, "knobs": knobs}))
     if status == "ok":
         steps = [(1, images_per_second / 10, 0.0)] + [(s, images_per_second * (1 + 0.01 * (s % 2)), memory)
                                                       for s in range(2, 6)]  # fmt: skip
         lines = [json.dumps({"step": s, "loss": 1.0, "grad_norm": 1.0, "lr": 1e-4, "images_per_second": ips,
-                             "mfu": ips / 10, "step_time_s": spec.batch / ips, "data_time_s": 0.0,
+                             "mfu": ips / 10, "step_time_s": knobs["batch"] / ips, "data_time_s": 0.0,
                              "memory_peak_active_gib": mem}) for s, ips, mem in steps]  # fmt: skip
         (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
 
@@ -98,13 +134,12 @@ def test_analysis_of_a_fabricated_grid(tmp_path):
     for batch in (8, 16):
         for ac, (speed, memory) in {"none": (1.0, 1.0), "full": (0.8, 0.4)}.items():
             base = 100.0 * batch * speed
-            fabricate(root, RunSpec("0.5B", batch, 2, ac, False, "bf16", 1, 1), images_per_second=base,
-                      memory=10 * batch * memory)  # fmt: skip
-            fabricate(root, RunSpec("0.5B", batch, 2, ac, True, "bf16", 1, 1), images_per_second=1.7 * base,
+            fabricate(root, point(batch, ac, False, "bf16"), images_per_second=base, memory=10 * batch * memory)
+            fabricate(root, point(batch, ac, True, "bf16"), images_per_second=1.7 * base,
                       memory=10 * batch * memory * 0.5)  # fmt: skip
-    fabricate(root, RunSpec("0.5B", 16, 2, "none", False, "fp32", 1, 1), images_per_second=400.0, memory=300.0)
-    fabricate(root, RunSpec("0.5B", 32, 2, "none", False, "bf16", 1, 1), status="OOM")
-    fabricate(root, RunSpec("0.5B", 32, 2, "none", True, "bf16", 1, 1), images_per_second=6000.0, memory=160.0)
+    fabricate(root, point(16, "none", False, "fp32"), images_per_second=400.0, memory=300.0)
+    fabricate(root, point(32, "none", False, "bf16"), status="OOM")
+    fabricate(root, point(32, "none", True, "bf16"), images_per_second=6000.0, memory=160.0)
     (root / "autotune").mkdir()  # not a run: ignored
 
     result = analyze(root, root / "analysis")

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import torch
 
 from torchtitan.components.profiling import Profiler, idle_gaps
-from torchtitan.config_manager import Profiling
+from torchtitan.job_config import Profiling
 
 
 def test_traces_every_profile_freq_steps_and_no_snapshot_on_cpu(tmp_path, caplog):

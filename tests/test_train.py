@@ -122,7 +122,7 @@ def test_export_loads_into_plain_model(tmp_path):
     with safe_open(str(out / "ema.safetensors"), "pt") as f:
         import json
 
-        args = DiTArgs(**json.loads(f.metadata()["model_args"]))
+        args = DiTArgs.from_dict(json.loads(f.metadata()["model_args"]))
         state = {k: f.get_tensor(k) for k in f.keys()}
     model = DiT(args)
     missing, unexpected = model.load_state_dict(state, strict=False)

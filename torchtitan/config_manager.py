@@ -1,438 +1,20 @@
-"""JobConfig: one dataclass per TOML section; precedence CLI > TOML > default.
-
-Keys follow TorchTitan's TOML (v0.2.2) where a DiT has the same knob. Every field's
-docstring is the help text `train.py --help` prints.
+"""Parsing a JobConfig (torchtitan/job_config.py): TOML file, then `--section.key value` overrides (CLI > TOML >
+default), each key's source recorded for messages; and the resolved config written back as TOML.
 """
 
 import argparse
-import ast
 import contextlib
 import dataclasses
-import functools
 import sys
 import tomllib
 import types
 import typing
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from torchtitan.config_validation import ConfigError, check_batch_sizes, validate
+from torchtitan.job_config import JobConfig, Model, _field_docs, _leaf_fields, _sections
 
 __all__ = ["ConfigError", "JobConfig", "check_batch_sizes", "parse_args", "to_toml", "validate"]
-
-
-@dataclass
-class Job:
-    config_file: str = ""
-    """TOML file to load; other keys on the command line override it."""
-    dump_folder: str = "./outputs/debug"
-    """Run folder: metrics, checkpoints, samples, TensorBoard, traces."""
-    description: str = "TorchDiTan run"
-    """Free text describing the run."""
-    print_config: bool = False
-    """Print the resolved config at start."""
-    save_config_file: str = "config.toml"
-    """Name of the resolved config written to the run folder ('' to skip)."""
-
-
-@dataclass
-class Profiling:
-    enable_profiling: bool = False
-    """Record torch profiler traces."""
-    save_traces_folder: str = "profile_traces"
-    """Traces go to <dump_folder>/<this>/iteration_N."""
-    profile_freq: int = 10
-    """Steps between trace dumps."""
-    profiler_active: int = 1
-    """Steps recorded per trace."""
-    profiler_warmup: int = 3
-    """Warmup steps before each recorded window."""
-    enable_memory_snapshot: bool = False
-    """Record CUDA allocation history and dump snapshots (GPU only)."""
-    save_memory_snapshot_folder: str = "memory_snapshot"
-    """Snapshots go to <dump_folder>/<this>/iteration_N."""
-    enable_memory_breakdown: bool = False
-    """Record the bytes of parameters, gradients, optimizer states, EMA, DP buffers and activations after
-    init, forward, backward, the optimizer step and zero_grad of the first steps; written to the run folder
-    as memory_breakdown.json and .png (torchtitan/tools/memory_breakdown.py)."""
-    memory_breakdown_steps: int = 2
-    """Steps the memory breakdown records (the first of this run, resumed or not)."""
-
-
-@dataclass
-class Metrics:
-    log_freq: int = 10
-    """Steps between console/jsonl/TensorBoard/wandb logs."""
-    enable_tensorboard: bool = False
-    """Write TensorBoard events."""
-    save_tb_folder: str = "tb"
-    """TensorBoard folder inside the run folder."""
-    enable_wandb: bool = False
-    """Log to Weights & Biases (set WANDB_MODE=offline to stay local)."""
-    disable_color_printing: bool = False
-    """Plain console lines without ANSI colors."""
-    save_for_all_ranks: bool = False
-    """Every rank writes its own metrics (rank-suffixed); otherwise rank 0 only."""
-
-
-@dataclass
-class Model:
-    name: str = "dit"
-    """Registered TrainSpec name."""
-    flavor: str = "debug"
-    """Key of dit_configs, e.g. 'DiT-XL/2', '0.5B', '7B', 'debug'."""
-    input_size: int = 0
-    """Override: spatial input size (pixels or latent cells); 0 keeps the flavor's."""
-    in_channels: int = 0
-    """Override: input channels; 0 keeps the flavor's."""
-    patch_size: int = 0
-    """Override: patch size; 0 keeps the flavor's."""
-    num_classes: int = -1
-    """Override: number of classes (0: unconditional); -1 keeps the flavor's."""
-    pos_embed: str | None = None
-    """Override: 'rope2d' | 'sincos' | 'learned'; unset keeps the flavor's."""
-    norm: str | None = None
-    """Override: 'layernorm' | 'rmsnorm'; unset keeps the flavor's."""
-    mlp: str | None = None
-    """Override: 'gelu' | 'swiglu'; unset keeps the flavor's."""
-    qk_norm: bool | None = None
-    """Override: RMS-normalize queries and keys per head; unset keeps the flavor's."""
-    learn_sigma: bool | None = None
-    """Override: DiT's 2C-channel output (learned variance) + VLB term (ddpm only); unset keeps the flavor's."""
-    fused_norm: bool | None = None
-    """Override: on CUDA, each adaLN norm with the gated residual add before it runs as one Triton kernel forward
-    and one backward (torch elsewhere); unset keeps the flavor's (true in every built-in flavor)."""
-    fused_mlp: bool | None = None
-    """Override: on CUDA, fc1's bias and the MLP activation (GELU or SwiGLU) run as one Triton kernel forward and
-    one backward that also sums fc1's bias gradient (GELU in bf16/fp16: the whole MLP as cuBLASLt GEMMs, GELU in
-    fc1's epilogue and its derivative in that of fc2's input gradient), where fc1 and fc2 are plain, unhooked
-    Linears: not under DP-SGD or float8; unset keeps the flavor's (true in every built-in flavor)."""
-    fused_qkv: bool | None = None
-    """Override: on CUDA, the attention's qkv Linear assembles its output gradient from q, k and v's and sums its
-    bias gradient in one Triton kernel (where qkv is a plain, unhooked Linear: not under DP-SGD or float8); unset
-    keeps the flavor's (true in every built-in flavor)."""
-    attn_window: int = -1
-    """Override: windowed attention over the (2w+1) x (2w+1) token neighbourhood (FlexAttention);
-    0 is global attention; -1 keeps the flavor's."""
-    sdpa_backends: list[str] = field(default_factory=lambda: ["cudnn", "flash", "efficient", "math"])
-    """Attention kernels in priority order ('cudnn', 'flash', 'efficient', 'math'); the first that
-    supports the shapes runs. cuDNN first: fastest measured on H100 at DiT head sizes (docs/benchmarks.md)."""
-
-
-@dataclass
-class Diffusion:
-    objective: str = "ddpm"
-    """'ddpm' (epsilon prediction, as DiT) or 'rectified_flow' (velocity, as SiT/SD3)."""
-    prediction: str = "epsilon"
-    """Model target: 'epsilon' for ddpm, 'velocity' for rectified_flow."""
-    noise_schedule: str = "linear"
-    """DDPM beta schedule: 'linear' (DiT) or 'cosine' (iDDPM)."""
-    num_timesteps: int = 1000
-    """DDPM training timesteps."""
-    timestep_sampling: str = "uniform"
-    """'uniform' or 'logit_normal' (rectified flow, SD3)."""
-    logit_normal_mean: float = 0.0
-    """Mean of the logit-normal timestep density."""
-    logit_normal_std: float = 1.0
-    """Std of the logit-normal timestep density."""
-    class_dropout_prob: float = 0.1
-    """Probability a label is replaced by the null class (classifier-free guidance)."""
-
-
-@dataclass
-class Optimizer:
-    name: str = "AdamW"
-    """Only AdamW."""
-    lr: float = 1e-4
-    """Peak learning rate."""
-    beta1: float = 0.9
-    """Adam beta1."""
-    beta2: float = 0.999
-    """Adam beta2."""
-    eps: float = 1e-8
-    """Adam epsilon."""
-    weight_decay: float = 0.0
-    """Decoupled weight decay (DiT uses 0)."""
-    implementation: str = "fused"
-    """'fused' (CUDA only; falls back to foreach on CPU), 'foreach' or 'for-loop'."""
-
-
-@dataclass
-class LRScheduler:
-    warmup_steps: int = 0
-    """Linear warmup steps."""
-    decay_ratio: float = 0.0
-    """Fraction of the steps spent decaying at the end (0: constant after warmup, as DiT)."""
-    decay_type: str = "cosine"
-    """'linear', 'cosine' or 'sqrt'."""
-    min_lr_factor: float = 0.0
-    """Final lr as a fraction of the peak."""
-
-
-@dataclass
-class DataLoader:
-    num_workers: int = 0
-    """Worker processes per rank."""
-    persistent_workers: bool = False
-    """Keep workers alive between epochs."""
-    pin_memory: bool = False
-    """Pin host memory (GPU)."""
-    prefetch_factor: int = 2
-    """Batches prefetched per worker (when num_workers > 0)."""
-    skip_unreadable_images: bool = False
-    """Image folders: an image that cannot be decoded (truncated or corrupt file) is logged by name and replaced
-    by the next readable one, and the count of skipped files is logged; false stops the run naming the file."""
-
-
-@dataclass
-class Training:
-    dataset: str = "digits"
-    """'digits' (embedded) | 'dummy' | 'imagefolder' | 'cifar10' | 'latents'."""
-    dataset_path: str = ""
-    """Local folder of the dataset (imagefolder, cifar10, latents)."""
-    image_size: int = 0
-    """Image size after resize/crop; 0 uses model input_size."""
-    local_batch_size: int | typing.Literal["auto"] = 32
-    """Micro-batch per rank per forward, or 'auto': the largest that fits the GPU (one process: probed in
-    fresh processes, estimate then bisection; torchrun: the memory estimate), rounded down to divide
-    global_batch_size / data-parallel degree when that is set (torchtitan/tools/batch_size_finder.py)."""
-    global_batch_size: int = -1
-    """Images per optimizer step over all ranks; -1 = local x data-parallel degree (no accumulation)."""
-    steps: int = 1000
-    """Optimizer steps."""
-    max_norm: float = 1.0
-    """Gradient clipping norm (0 disables); the norm is logged either way."""
-    mixed_precision_param: str = "bfloat16"
-    """Parameter/compute dtype on GPU ('bfloat16' or 'float32'); CPU always runs float32."""
-    mixed_precision_reduce: str = "float32"
-    """Gradient reduction dtype under FSDP."""
-    ema_decay: float = 0.9999
-    """EMA decay of weights (samples and exports use the EMA); 0 disables."""
-    ema_warmup: bool = False
-    """Ramp the EMA decay as min(decay, (1 + n) / (10 + n)) for short runs."""
-    gc_freq: int = 50
-    """Steps between Python garbage collections (0: never; automatic GC stays off either way)."""
-    dataloader: DataLoader = field(default_factory=DataLoader)
-
-
-@dataclass
-class Parallelism:
-    data_parallel_replicate_degree: int = 1
-    """DDP (replicate) degree; with shard > 1 gives HSDP."""
-    data_parallel_shard_degree: int = -1
-    """FSDP degree; -1 takes the rest of the world."""
-    fsdp_reshard_after_forward: str = "default"
-    """'default', 'always' or 'never'."""
-    fsdp_single_device: bool = False
-    """On one GPU, apply FSDP2 anyway (a 1-rank mesh) so compute runs on bf16 parameters with fp32
-    master weights (MixedPrecisionPolicy) instead of autocast."""
-
-
-@dataclass
-class Checkpoint:
-    enable: bool = False
-    """Save checkpoints and resume from the newest complete one."""
-    folder: str = "checkpoint"
-    """Folder inside the run folder."""
-    interval: int = 500
-    """Steps between checkpoints (one is also written at the end)."""
-    async_mode: str = "disabled"
-    """'disabled' or 'async' (torch.distributed.checkpoint.async_save)."""
-    keep_latest_k: int = 0
-    """Keep only the newest k complete checkpoints (0 keeps all)."""
-    load_step: int = -1
-    """Resume from this step instead of the newest (-1: newest)."""
-    initial_load_path: str = ""
-    """Checkpoint folder to start from when the run has none of its own."""
-    last_save_model_only: bool = False
-    """The final checkpoint holds model and EMA only."""
-    export_dtype: str = "float32"
-    """dtype of the EMA safetensors export ('float32' or 'bfloat16')."""
-    create_seed_checkpoint: bool = False
-    """Initialize on one process, save the weights as step-0 and exit; runs of any parallelism that
-    resume from it start from identical weights (TorchTitan's seed checkpoint)."""
-
-
-@dataclass
-class ActivationCheckpoint:
-    mode: str = "none"
-    """'none' | 'full' | 'selective'."""
-    selective_ac_option: str = "op"
-    """'op' (per-op policy) or an integer k: checkpoint every k-th block."""
-
-
-@dataclass
-class Compile:
-    enable: bool = False
-    """torch.compile each block (and the loss if listed)."""
-    components: list[str] = field(default_factory=lambda: ["model"])
-    """What to compile: 'model' (each block). The loss is a few small pointwise ops on (B, C, H, W):
-    not worth a graph."""
-    mode: str = "default"
-    """torch.compile mode: 'default' or 'max-autotune-no-cudagraphs' (Triton GEMMs with fused epilogues;
-    minutes of autotuning at start)."""
-    scope: str = "block"
-    """What one graph holds: 'block' (each block apart; the blocks share one compiled graph, so compiling
-    costs one block) or 'model' (the whole DiT: Inductor also fuses across block boundaries, e.g. a block's
-    last residual add into the next block's norm, at several times the compile time; one device only,
-    since DDP's and FSDP's hooks must stay outside compiled code)."""
-
-
-@dataclass
-class Float8:
-    enable: bool = False
-    """float8 training of Linear layers through torchao."""
-    recipe_name: str = "tensorwise"
-    """torchao recipe: 'tensorwise', 'rowwise', 'rowwise_with_gw_hp'."""
-    filter_fqns: list[str] = field(default_factory=lambda: ["final_layer", "t_embedder", "x_embedder"])
-    """Module FQN substrings left in high precision."""
-    emulate: bool = False
-    """Emulate float8 (CPU tests)."""
-
-
-@dataclass
-class Linear:
-    float8: Float8 = field(default_factory=Float8)
-
-
-@dataclass
-class Quantize:
-    linear: Linear = field(default_factory=Linear)
-
-
-@dataclass
-class Sampling:
-    freq: int = 500
-    """Steps between sample grids (one is also written at the end; 0 disables)."""
-    num_samples: int = 16
-    """Images in the grid (classes cycle through 0..num_classes-1)."""
-    steps: int = 50
-    """Sampler steps."""
-    sampler: str = "default"
-    """'ddim' (ddpm), 'euler' or 'heun' (rectified_flow); 'default' picks per objective."""
-    cfg_scale: float = 1.0
-    """Classifier-free guidance scale (1: off)."""
-    seed: int = 0
-    """Seed of the fixed sampling noise."""
-
-
-@dataclass
-class Latent:
-    tokenizer: str = ""
-    """'' (pixel space), 'cosmos_jit' or 'diffusers'."""
-    checkpoint_dir: str = ""
-    """Local folder of the tokenizer."""
-    scale_factor: float = 0.0
-    """Latent scale (e.g. SD 0.18215); 0 uses the statistics stored with the prepared data."""
-
-
-@dataclass
-class DP:
-    enable: bool = False
-    """Train with DP-SGD (per-sample clipping + Gaussian noise)."""
-    mode: str = "flash_bookkeeping"
-    """'ghost' | 'flash' | 'bookkeeping' | 'flash_bookkeeping' (or 'vanilla': non-private, same path)."""
-    max_grad_norm: float = 1.0
-    """Per-sample clipping norm C."""
-    noise_multiplier: float = 1.0
-    """Noise std / C; ignored when target_epsilon > 0."""
-    target_epsilon: float = 0.0
-    """Calibrate noise_multiplier to reach this epsilon at the end (0: use noise_multiplier)."""
-    delta: float = 1e-5
-    """Target delta."""
-    accountant: str = "rdp"
-    """'rdp' or 'prv' (Opacus accountants)."""
-    sampling: str = "shuffle"
-    """'poisson' (the accountant's assumption) or 'shuffle' (fixed-size shuffled batches)."""
-    augmult: int = 1
-    """Noise/timestep draws per example averaged before clipping (DPDM)."""
-
-
-@dataclass
-class Debug:
-    seed: int = 0
-    """Global seed."""
-    deterministic: bool = False
-    """Deterministic algorithms (bitwise-reproducible resume on CPU)."""
-
-
-@dataclass
-class JobConfig:
-    job: Job = field(default_factory=Job)
-    profiling: Profiling = field(default_factory=Profiling)
-    metrics: Metrics = field(default_factory=Metrics)
-    model: Model = field(default_factory=Model)
-    diffusion: Diffusion = field(default_factory=Diffusion)
-    optimizer: Optimizer = field(default_factory=Optimizer)
-    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
-    training: Training = field(default_factory=Training)
-    parallelism: Parallelism = field(default_factory=Parallelism)
-    checkpoint: Checkpoint = field(default_factory=Checkpoint)
-    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
-    compile: Compile = field(default_factory=Compile)
-    quantize: Quantize = field(default_factory=Quantize)
-    sampling: Sampling = field(default_factory=Sampling)
-    latent: Latent = field(default_factory=Latent)
-    dp: DP = field(default_factory=DP)
-    debug: Debug = field(default_factory=Debug)
-    # Where each key set by parse_args came from: the TOML file's path or "the command line". Not a config
-    # key: never on the command line or in config.toml; a field so that dataclasses.replace and copy keep it.
-    _sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        self._sources = dict(self._sources)  # a copy's sources are its own
-
-    def source_of(self, key: str) -> str:
-        """Where `key` (e.g. "optimizer.lr") got its value: the TOML file, "the command line" or "the defaults".
-
-        Raises:
-            KeyError: `key` is not a config key.
-        """
-        if key not in _leaf_keys():
-            raise KeyError(f"source_of: {key!r} is not a config key")
-        return self._sources.get(key, "the defaults")
-
-    def to_dict(self) -> dict:
-        return {f.name: dataclasses.asdict(getattr(self, f.name)) for f in _sections(self)}
-
-
-@functools.cache
-def _field_docs(cls: type) -> dict[str, str]:
-    """Field docstrings (the string literal after each field) read from the class source."""
-    import inspect
-    import textwrap
-
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    except (OSError, TypeError):
-        return {}
-    docs, body = {}, tree.body[0].body
-    for prev, node in zip(body, body[1:]):
-        if isinstance(prev, ast.AnnAssign) and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
-            docs[prev.target.id] = str(node.value.value)
-    return docs
-
-
-def _sections(cfg_or_cls) -> list[dataclasses.Field]:
-    """The config's fields, without private ones (JobConfig._sources)."""
-    return [f for f in dataclasses.fields(cfg_or_cls) if not f.name.startswith("_")]
-
-
-@functools.cache
-def _leaf_keys() -> frozenset[str]:
-    return frozenset(key for key, *_ in _leaf_fields(JobConfig))
-
-
-def _leaf_fields(cls: type, prefix: str = ""):
-    """Yields (dotted key, field, type, owning class) for every leaf field under cls."""
-    hints = typing.get_type_hints(cls)
-    for f in _sections(cls):
-        key = f"{prefix}{f.name}"
-        ftype = hints[f.name]
-        if dataclasses.is_dataclass(ftype):
-            yield from _leaf_fields(ftype, key + ".")
-        else:
-            yield key, f, ftype, cls
 
 
 def _is_union(ftype) -> bool:
@@ -553,6 +135,52 @@ def _attach_values(argv: list[str], fields: dict) -> list[str]:
     return out
 
 
+# Keys of older releases whose work is now a converter's (model.converters), by the converter they name.
+_REMOVED_KEYS = {
+    "model.fused_norm": "fused_norm",
+    "model.fused_mlp": "fused_mlp",
+    "model.fused_qkv": "fused_qkv",
+    "quantize.linear.float8.enable": "float8",
+}
+
+
+def _check_removed_key(key: str, value, source: str) -> None:
+    """Raises for a removed key (_REMOVED_KEYS) with the model.converters to write instead. A value that asks for
+    nothing is let through: quantize.linear.float8.enable = false, and '' for the fused switches, as resolved
+    config.toml files of older runs hold them (sample.py reads those)."""
+    converter = _REMOVED_KEYS[key]
+    if value == "" or (converter == "float8" and value in (False, "false", "False", "0")):
+        return
+    default = Model().converters
+    try:
+        wanted = _convert(value, bool, key, source)
+    except ConfigError:
+        wanted = None
+    if wanted is None:
+        suggestion = f"model.converters = {_toml_value(default)} (the default), with or without {converter!r}"
+    elif wanted:
+        suggestion = f"model.converters = {_toml_value(list(dict.fromkeys([*default, converter])))}"
+    else:
+        suggestion = f"model.converters = {_toml_value([c for c in default if c != converter])}"
+    raise ConfigError(f"{key} = {value!r} in {source}: removed; use {suggestion}")
+
+
+def _without_removed_keys(argv: list[str]) -> list[str]:
+    """argv without the removed keys that ask for nothing (see _check_removed_key); raises for the others."""
+    out, i = [], 0
+    while i < len(argv):
+        name, has_value, value = argv[i].partition("=")
+        if name.startswith("--") and name[2:] in _REMOVED_KEYS:
+            if not has_value:
+                value = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else None
+                i += value is not None
+            _check_removed_key(name[2:], value, "the command line")
+        else:
+            out.append(argv[i])
+        i += 1
+    return out
+
+
 def parse_args(argv: list[str] | None = None) -> JobConfig:
     """Builds a JobConfig from `--job.config_file` TOML and `--section.key value` overrides.
 
@@ -561,7 +189,7 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     Raises:
         ConfigError: unknown section/key, wrong type or impossible value; the message names key and source.
     """
-    argv = sys.argv[1:] if argv is None else argv
+    argv = _without_removed_keys(sys.argv[1:] if argv is None else argv)
     fields = {key: (f, ftype, owner) for key, f, ftype, owner in _leaf_fields(JobConfig)}
     parser = _build_parser(fields)
     unknown = [a.split("=")[0] for a in argv if a.startswith("--") and a.split("=")[0][2:] not in fields]
@@ -580,6 +208,9 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{config_file} is not valid TOML: {e}") from e
         for key, value in _flatten_toml(data).items():
+            if key in _REMOVED_KEYS:
+                _check_removed_key(key, value, config_file)
+                continue
             if key not in fields:
                 section = key.rsplit(".", 1)[0] if "." in key else key
                 known_sections = {k.rsplit(".", 1)[0] for k in fields}

@@ -1,4 +1,5 @@
-"""Checks of a resolved JobConfig that need no world size (validate) and one that does (check_batch_sizes).
+"""Every check of a config, in one place: `validate` (at parse time), `validate_layout` (with the world size and the
+device, at the trainer's start) and `check_batch_sizes` (once "auto" is a number). Nothing else validates a config.
 
 Every message names the key, the bad value and where that value came from (`JobConfig.source_of`: the TOML
 file, "the command line" or "the defaults").
@@ -132,73 +133,168 @@ def _float_keys(obj, prefix: str = ""):
 
 
 def validate(cfg) -> None:
-    """Checks values that need no world size; data-parallel checks run in check_batch_sizes().
+    """Every check of a config that needs no world size or device (those run in `validate_layout`).
 
     Raises:
-        ConfigError: naming the key, its value and its source (cfg.source_of(key)).
+        ConfigError: naming each bad key, its value and its source (cfg.source_of(key)); all of them at once.
     """
-    from torchtitan.models.dit.model import POS_EMBEDS
-    from torchtitan.train_spec import get_train_spec
+    errors: list[str] = []
+    for check in (_check_model, _check_choices, _check_numbers, _check_combinations, _check_converters, _check_dp):
+        check(cfg, errors)
+    _raise(errors)
+
+
+def _raise(errors: list[str]) -> None:
+    if len(errors) == 1:
+        raise ConfigError(errors[0])
+    if errors:
+        raise ConfigError(f"{len(errors)} problems in the config:\n  " + "\n  ".join(errors))
+
+
+def _check_model(cfg, errors: list[str]) -> None:
+    """The model is registered, the flavor known, and its args with the `[model]` overrides valid."""
+    from torchtitan.train_spec import build_model_args, get_train_spec
 
     try:
         spec = get_train_spec(cfg.model.name)
     except ValueError as e:
-        raise ConfigError(f"{at(cfg, 'model.name')}: {e}") from e
+        errors.append(f"{at(cfg, 'model.name')}: {e}")
+        return
     if cfg.model.flavor not in spec.model_args:
-        raise ConfigError(f"{at(cfg, 'model.flavor')}: known flavors {sorted(spec.model_args)}")
+        errors.append(f"{at(cfg, 'model.flavor')}: known flavors {sorted(spec.model_args)}")
+        return
+    try:
+        args = build_model_args(spec, cfg.model)
+    except ValueError as e:  # the model's own invariants (DiTArgs.validate), from these overrides
+        errors.append(f"{at(cfg, 'model.flavor')} with the [model] overrides: {e}")
+        return
+    if getattr(args, "learn_sigma", False) and cfg.diffusion.objective != "ddpm":
+        errors.append(f"{at(cfg, 'diffusion.objective')}: a learned sigma (model.learn_sigma, the flavor's or in "
+                      f"{cfg.source_of('model.learn_sigma')}) is DDPM's; set model.learn_sigma = false")  # fmt: skip
+
+
+def _check_choices(cfg, errors: list[str]) -> None:
+    from torchtitan.models.dit.model import POS_EMBEDS
+
+    choices = {**_CHOICES, "model.pos_embed": (None, *POS_EMBEDS)}
     if cfg.compile.mode in ("max-autotune", "reduce-overhead"):
         # Seen on an H100 (2026-11-25, DiT-XL/2, per-block compile): the first forward of a block raised in
         # Inductor's cudagraph trees (check_memory_pool), at batch 224 and at 64. Not looked into further.
-        raise ConfigError(
-            f"{at(cfg, 'compile.mode')}: CUDA graphs are not supported; "
-            "use 'max-autotune-no-cudagraphs' (autotuned Triton GEMMs without CUDA graphs) or 'default'"
-        )
-    for key, allowed in {**_CHOICES, "model.pos_embed": (None, *POS_EMBEDS)}.items():
+        errors.append(f"{at(cfg, 'compile.mode')}: CUDA graphs are not supported; use 'max-autotune-no-cudagraphs' "
+                      "(autotuned Triton GEMMs without CUDA graphs) or 'default'")  # fmt: skip
+        choices.pop("compile.mode")
+    for key, allowed in choices.items():
         if _value(cfg, key) not in allowed:
-            raise ConfigError(f"{at(cfg, key)}: must be one of {list(allowed)}")
-    prediction = {"ddpm": "epsilon", "rectified_flow": "velocity"}[cfg.diffusion.objective]
-    if cfg.diffusion.prediction != prediction:
-        raise ConfigError(
-            f"{at(cfg, 'diffusion.prediction')}: diffusion.objective {cfg.diffusion.objective!r} "
-            f"(in {cfg.source_of('diffusion.objective')}) predicts {prediction!r}"
-        )
-    samplers = {"ddpm": ("default", "ddim"), "rectified_flow": ("default", "euler", "heun")}[cfg.diffusion.objective]
-    if cfg.sampling.sampler not in samplers:  # else the first sample grid, steps into the run, would fail
-        raise ConfigError(
-            f"{at(cfg, 'sampling.sampler')}: diffusion.objective {cfg.diffusion.objective!r} (in "
-            f"{cfg.source_of('diffusion.objective')}) samples with {list(samplers)}"
-        )
-    # No field accepts inf or nan (a field that did would say so in its docstring and be skipped here).
-    for key in _float_keys(cfg):
-        if not math.isfinite(_value(cfg, key)):
-            raise ConfigError(f"{at(cfg, key)}: must be a finite number")
-    if cfg.training.local_batch_size != "auto" and cfg.training.local_batch_size <= 0:  # "auto": batch_size_finder
-        raise ConfigError(f"{at(cfg, 'training.local_batch_size')}: must be > 0 or 'auto'")
-    for key, rule in _BOUNDS.items():
-        if not _RULES[rule](_value(cfg, key)):
-            raise ConfigError(f"{at(cfg, key)}: must be {rule}")
-    p = cfg.profiling
-    if p.enable_profiling and p.profiler_active > p.profile_freq:
-        raise ConfigError(
-            f"{at(cfg, 'profiling.profiler_active')}: records more steps than profiling.profile_freq = "
-            f"{p.profile_freq} (in {cfg.source_of('profiling.profile_freq')}) has between traces"
-        )
-    if cfg.training.dataset in ("imagefolder", "cifar10", "latents") and not cfg.training.dataset_path:
-        raise ConfigError(
-            f"training.dataset_path is empty in {cfg.source_of('training.dataset_path')}: "
-            f"{at(cfg, 'training.dataset')} needs one"
-        )
-    if any(c != "model" for c in cfg.compile.components):
-        raise ConfigError(f"{at(cfg, 'compile.components')}: only 'model' is compiled")
+            errors.append(f"{at(cfg, key)}: must be one of {list(allowed)}")
     unknown = [b for b in cfg.model.sdpa_backends if b not in ("cudnn", "flash", "efficient", "math")]
     if unknown or not cfg.model.sdpa_backends:
-        raise ConfigError(f"{at(cfg, 'model.sdpa_backends')}: use 'cudnn', 'flash', 'efficient', 'math'")
+        errors.append(f"{at(cfg, 'model.sdpa_backends')}: use 'cudnn', 'flash', 'efficient', 'math'")
+    if any(c != "model" for c in cfg.compile.components):
+        errors.append(f"{at(cfg, 'compile.components')}: only 'model' is compiled")
     option = cfg.activation_checkpoint.selective_ac_option
     if option != "op" and not (option.isdigit() and int(option) > 0):
-        raise ConfigError(f"{at(cfg, 'activation_checkpoint.selective_ac_option')}: must be 'op' or a positive integer")
+        errors.append(f"{at(cfg, 'activation_checkpoint.selective_ac_option')}: must be 'op' or a positive integer")
+
+
+def _check_numbers(cfg, errors: list[str]) -> None:
+    # No field accepts inf or nan (a field that did would say so in its docstring and be skipped here).
+    not_finite = {key for key in _float_keys(cfg) if not math.isfinite(_value(cfg, key))}
+    errors += [f"{at(cfg, key)}: must be a finite number" for key in sorted(not_finite)]
+    if cfg.training.local_batch_size != "auto" and cfg.training.local_batch_size <= 0:  # "auto": batch_size_finder
+        errors.append(f"{at(cfg, 'training.local_batch_size')}: must be > 0 or 'auto'")
+    for key, rule in _BOUNDS.items():
+        if key not in not_finite and not _RULES[rule](_value(cfg, key)):
+            errors.append(f"{at(cfg, key)}: must be {rule}")
+
+
+def _check_combinations(cfg, errors: list[str]) -> None:
+    prediction = {"ddpm": "epsilon", "rectified_flow": "velocity"}.get(cfg.diffusion.objective)
+    if prediction and cfg.diffusion.prediction != prediction:
+        errors.append(f"{at(cfg, 'diffusion.prediction')}: diffusion.objective {cfg.diffusion.objective!r} "
+                      f"(in {cfg.source_of('diffusion.objective')}) predicts {prediction!r}")  # fmt: skip
+    samplers = {"ddpm": ("default", "ddim"), "rectified_flow": ("default", "euler", "heun")}.get(
+        cfg.diffusion.objective
+    )
+    if samplers and cfg.sampling.sampler not in samplers:  # else the first sample grid, steps into the run, would fail
+        errors.append(f"{at(cfg, 'sampling.sampler')}: diffusion.objective {cfg.diffusion.objective!r} (in "
+                      f"{cfg.source_of('diffusion.objective')}) samples with {list(samplers)}")  # fmt: skip
+    p = cfg.profiling
+    if p.enable_profiling and p.profiler_active > p.profile_freq:
+        freq = f"profiling.profile_freq = {p.profile_freq} (in {cfg.source_of('profiling.profile_freq')})"
+        errors.append(f"{at(cfg, 'profiling.profiler_active')}: records more steps than {freq} has between traces")
+    if cfg.training.dataset in ("imagefolder", "cifar10", "latents") and not cfg.training.dataset_path:
+        errors.append(f"training.dataset_path is empty in {cfg.source_of('training.dataset_path')}: "
+                      f"{at(cfg, 'training.dataset')} needs one")  # fmt: skip
     if cfg.checkpoint.create_seed_checkpoint and not cfg.checkpoint.enable:
-        raise ConfigError(f"{keys_in(cfg, 'checkpoint.create_seed_checkpoint', 'checkpoint.enable')}: "
-                          "a seed checkpoint needs checkpoint.enable = true")  # fmt: skip
+        errors.append(f"{keys_in(cfg, 'checkpoint.create_seed_checkpoint', 'checkpoint.enable')}: "
+                      "a seed checkpoint needs checkpoint.enable = true")  # fmt: skip
+
+
+def _check_converters(cfg, errors: list[str]) -> None:
+    """model.converters names known converters (torchtitan/kernels/converters.py), each once."""
+    from torchtitan.kernels.converters import CONVERTERS
+
+    names = cfg.model.converters
+    for name in dict.fromkeys(names):
+        if name not in CONVERTERS:
+            errors.append(f"{at(cfg, 'model.converters')}: unknown converter {name!r}; known: {list(CONVERTERS)}")
+        elif names.count(name) > 1:
+            errors.append(f"{at(cfg, 'model.converters')}: {name!r} is named twice")
+
+
+def _check_dp(cfg, errors: list[str]) -> None:
+    """Combinations the DP engine does not support."""
+    if not cfg.dp.enable:
+        return
+    if cfg.compile.enable:
+        errors.append(f"{keys_in(cfg, 'dp.enable', 'compile.enable')}: the DP engine's per-layer hooks need eager "
+                      "blocks; set compile.enable = false")  # fmt: skip
+    if "float8" in cfg.model.converters:
+        errors.append(f"{keys_in(cfg, 'dp.enable', 'model.converters')}: float8 layers have no per-sample rule; "
+                      "leave 'float8' out of model.converters")  # fmt: skip
+
+
+def validate_layout(cfg, world_size: int, device_type: str) -> None:
+    """The checks that need the world size and the device: data-parallel degrees, what compile and float8 need of
+    them, "auto" batch sizes, the seed checkpoint. Batch divisibility runs in check_batch_sizes, once "auto" is a
+    number.
+
+    Raises:
+        ConfigError: naming each bad key, its value and its source; all of them at once.
+    """
+    errors: list[str] = []
+    p = cfg.parallelism
+    replicate, shard = p.data_parallel_replicate_degree, p.data_parallel_shard_degree
+    degrees = keys_in(cfg, "parallelism.data_parallel_replicate_degree", "parallelism.data_parallel_shard_degree")
+    if replicate == -1:
+        errors.append(f"{at(cfg, 'parallelism.data_parallel_replicate_degree')}: must be >= 1 (only the shard "
+                      "degree takes the rest of the world)")  # fmt: skip
+    elif shard == -1 and world_size % replicate:
+        errors.append(f"{at(cfg, 'parallelism.data_parallel_replicate_degree')}: does not divide the world size "
+                      f"{world_size}")  # fmt: skip
+    elif shard != -1 and replicate * shard != world_size:
+        errors.append(f"{degrees}: {replicate} x {shard} != world size {world_size}")
+    sharded = shard > 1 or (shard == -1 and world_size // max(replicate, 1) > 1) or p.fsdp_single_device
+    if cfg.compile.enable and cfg.compile.scope == "model" and (world_size > 1 or sharded):
+        errors.append(f"{at(cfg, 'compile.scope')}: one device only (this run is data-parallel over {world_size} "
+                      "rank(s) or sharded, and DDP's and FSDP's hooks must stay outside compiled code); use "
+                      "compile.scope = 'block'")  # fmt: skip
+    if cfg.training.local_batch_size == "auto" and device_type != "cuda":
+        errors.append(f"{at(cfg, 'training.local_batch_size')}: needs a CUDA device to measure memory on; give a "
+                      f"number on {device_type}")  # fmt: skip
+    global_batch = cfg.training.global_batch_size
+    if cfg.training.local_batch_size == "auto" and global_batch != -1 and global_batch % world_size:
+        errors.append(f"{at(cfg, 'training.global_batch_size')}: not divisible by the data-parallel degree "
+                      f"{world_size}, so no local batch size can split it")  # fmt: skip
+    if cfg.checkpoint.create_seed_checkpoint and world_size != 1:
+        errors.append(f"{at(cfg, 'checkpoint.create_seed_checkpoint')}: runs on one process (no torchrun)")
+    if "float8" in cfg.model.converters and not cfg.quantize.linear.float8.emulate:
+        import torch
+
+        if device_type != "cuda" or torch.cuda.get_device_capability() < (8, 9):
+            errors.append(f"{at(cfg, 'model.converters')}: float8 needs an SM89+ GPU (H100, L40S, ...); set "
+                          "quantize.linear.float8.emulate = true to emulate it")  # fmt: skip
+    _raise(errors)
 
 
 def check_batch_sizes(cfg, dp_degree: int) -> int:
@@ -218,4 +314,8 @@ def check_batch_sizes(cfg, dp_degree: int) -> int:
             f"(in {cfg.source_of('training.local_batch_size')}) x data-parallel degree = "
             f"{local} x {dp_degree} = {per_micro}"
         )
-    return global_ // per_micro
+    steps = global_ // per_micro
+    if steps > 1 and cfg.dp.enable and cfg.dp.sampling == "poisson":
+        raise ConfigError(f"{at(cfg, 'dp.sampling')} draws one batch per step: no gradient accumulation "
+                          f"({at(cfg, 'training.global_batch_size')} makes {steps} micro-batches)")  # fmt: skip
+    return steps

@@ -48,7 +48,7 @@ def build_model_args(spec: TrainSpec, model_config) -> Any:
         args.num_classes = model_config.num_classes
     if model_config.attn_window >= 0:
         args.attn_window = model_config.attn_window
-    for name in ("pos_embed", "norm", "mlp", "qk_norm", "learn_sigma", "fused_norm", "fused_mlp", "fused_qkv"):
+    for name in ("pos_embed", "norm", "mlp", "qk_norm", "learn_sigma"):
         if getattr(model_config, name) is not None:  # False overrides a flavor's True
             setattr(args, name, getattr(model_config, name))
     try:

@@ -48,19 +48,23 @@ class ThroughputMeter:
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def summary(self) -> dict:
+        """The window since the last reset: mean step and data time, throughput, peak memory."""
         elapsed = time.perf_counter() - self.window_start
         steps = max(self.steps, 1)
-        images_per_second = self.images_per_step * steps / elapsed
-        out = {
-            "images_per_second": images_per_second,
-            "step_time_s": elapsed / steps,
-            "data_time_s": self.data_time / steps,
-        }
+        out = self.rates(elapsed / steps)
+        out["data_time_s"] = self.data_time / steps
+        out.update(peak_memory_gib(self.device))
+        return out
+
+    def rates(self, step_time_s: float) -> dict:
+        """What a step time means: images/s, and per GPU TFLOP/s and MFU (against the datasheet peak; none on CPU
+        or unknown GPUs). The one place MFU is computed: the trainer's logs and torchtitan.measure use it."""
+        images_per_second = self.images_per_step / step_time_s
+        out = {"images_per_second": images_per_second, "step_time_s": step_time_s}
         if self.peak_flops is not None:
             flops_per_gpu = self.flops_per_image * images_per_second / self.world_size
             out["tflops"] = flops_per_gpu / 1e12
             out["mfu"] = 100.0 * flops_per_gpu / self.peak_flops
-        out.update(peak_memory_gib(self.device))
         return out
 
 

@@ -44,8 +44,8 @@ def build_dataset(training_config, model_args, latent_config=None) -> Dataset:
 
         dataset = CIFAR10Dataset(training_config.dataset_path)
     elif name == "latents":
-        from torchtitan.config_manager import Latent
         from torchtitan.datasets.latents import LatentShardDataset, check_tokenizer_matches
+        from torchtitan.job_config import Latent
 
         latent_config = latent_config or Latent()
         dataset = LatentShardDataset(training_config.dataset_path, scale_factor=latent_config.scale_factor)

@@ -281,7 +281,7 @@ def exit_code_of(prepare: Callable[[], int]) -> int:
 def run_prepare(args: argparse.Namespace, source: Dataset, image_size: int, num_classes: int,
                 classes: list[str] | None, description: str) -> int:  # fmt: skip
     """Loads the tokenizer's encoder on this rank's device and prepares `source` into `args.out`; the exit code."""
-    from cosmos_latent_decoder import load_tokenizer
+    from torchtitan.datasets.tokenizers import load_tokenizer
 
     rank, world, device = init_distributed()
     try:

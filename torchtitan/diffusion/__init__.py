@@ -12,11 +12,9 @@ __all__ = ["GaussianDiffusion", "RectifiedFlow", "build_diffusion", "drop_labels
 
 
 def build_diffusion(diffusion_config, learn_sigma: bool) -> GaussianDiffusion | RectifiedFlow:
-    """Builds the objective named by the `[diffusion]` config section."""
+    """Builds the objective named by the `[diffusion]` config section (validated: a learned sigma is DDPM's)."""
     if diffusion_config.objective == "ddpm":
         return GaussianDiffusion(diffusion_config.num_timesteps, diffusion_config.noise_schedule, learn_sigma)
-    if learn_sigma:
-        raise ValueError("model.learn_sigma is only meaningful with diffusion.objective = 'ddpm'")
     return RectifiedFlow(
         diffusion_config.timestep_sampling, diffusion_config.logit_normal_mean, diffusion_config.logit_normal_std
     )

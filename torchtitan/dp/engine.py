@@ -15,6 +15,7 @@ batch size. Modes differ only in how they get there:
 """
 
 import re
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -78,12 +79,13 @@ class DPEngine:
         self._captured: frozenset[str] = frozenset()  # modules the first step's hooks saw
         self._group = 1  # augmult K of the backward in progress: rows per sample
         self._norm_sq: torch.Tensor | None = None  # the norms being summed (a DP buffer, for the breakdown)
-        # Called with "dp_norms" once per-sample norms exist, while the engine's buffers are at their largest
-        # (book-keeping's kept output gradients): the memory breakdown records a stage there.
-        self.stage_hook = None
 
     def backward(
-        self, per_sample_losses: torch.Tensor, mask: torch.Tensor | None = None, add_noise: bool = True
+        self,
+        per_sample_losses: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        add_noise: bool = True,
+        on_norms: Callable[[], None] | None = None,
     ) -> torch.Tensor | None:
         """Private backward of this rank's per-sample losses.
 
@@ -94,6 +96,8 @@ class DPEngine:
             mask: optional (B_local,) bool; False rows (padding of a Poisson batch) contribute nothing.
             add_noise: False for all but the last micro-batch of an accumulated step: gradients
                 accumulate into .grad and the noise (and the step counter) come once.
+            on_norms: called once the per-sample norms exist, while the engine's buffers are at their largest
+                (book-keeping's kept output gradients): the trainer's "dp_norms" stage (the memory breakdown).
 
         Returns:
             (B_local,) per-sample gradient norms before clipping; None in "vanilla".
@@ -109,13 +113,13 @@ class DPEngine:
             self._plain_backward(kept.sum(), batch)
             norms = None
         else:
-            norms = self._private_backward(losses, keep, batch)
+            norms = self._private_backward(losses, keep, batch, on_norms)
         if add_noise and self.mode != "vanilla":
             self._add_noise(batch)
             self.step += 1
         return norms
 
-    def _private_backward(self, losses, keep, batch) -> torch.Tensor:
+    def _private_backward(self, losses, keep, batch, on_norms) -> torch.Tensor:
         capture = self._capture
         token = capture.token
         if token is None or losses.grad_fn is None:
@@ -132,8 +136,8 @@ class DPEngine:
                     f"{sorted(self._captured - captured)}, new {sorted(captured - self._captured)}"
                 )
             norms = self._norm_pass(losses, token)
-            if self.stage_hook is not None:
-                self.stage_hook("dp_norms")
+            if on_norms is not None:
+                on_norms()
             coef = (self.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
             if keep is not None:
                 coef = coef * keep

@@ -14,7 +14,7 @@ nor the T x T matrix is ever written to memory. Each program writes one partial 
 partials are added in torch, so the result is deterministic (no atomics).
 
 Triton is used on CUDA tensors, and on CPU tensors when Triton runs in its interpreter (tests; see
-torchtitan/tools/triton_support.py). Elsewhere the torch implementations of the same maths below run instead.
+torchtitan/kernels/triton_support.py). Elsewhere the torch implementations of the same maths below run instead.
 """
 
 import functools
@@ -22,8 +22,8 @@ import logging
 
 import torch
 
-from torchtitan.tools.triton_support import jit as _jit
-from torchtitan.tools.triton_support import tl, triton, triton_interpreting
+from torchtitan.kernels.triton_support import jit as _jit
+from torchtitan.kernels.triton_support import tl, triton, triton_interpreting
 
 logger = logging.getLogger(__name__)
 
@@ -220,7 +220,7 @@ def _gram_kernel(
 
 # Tile sizes: (BLOCK_D, BLOCK_P, BLOCK_T, warps, stages) and (BLOCK_T, BLOCK_K, warps, stages). The
 # interpreter runs the first of each; on CUDA Triton's autotuner picks per (T, D, P). Every entry was timed alone
-# at the DiT-L/8 and DiT-XL/2 layer shapes on an H100 (docs/benchmarks.md).
+# at the DiT-L/8 and DiT-XL/2 layer shapes on an H100 (docs/benchmark_log.md).
 _EXPLICIT_TILES = [
     (64, 64, 32, 4, 3), (128, 64, 32, 4, 3), (128, 128, 32, 8, 3), (128, 128, 64, 8, 3), (128, 256, 32, 8, 3),
     (256, 128, 32, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3),

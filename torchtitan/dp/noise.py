@@ -21,8 +21,8 @@ import zlib
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from torchtitan.tools.triton_support import jit as _jit
-from torchtitan.tools.triton_support import tl, triton, triton_interpreting
+from torchtitan.kernels.triton_support import jit as _jit
+from torchtitan.kernels.triton_support import tl, triton, triton_interpreting
 
 _BLOCK_NUMEL = 1 << 20
 _MASK64 = (1 << 64) - 1

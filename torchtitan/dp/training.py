@@ -1,7 +1,5 @@
 """The trainer's side of DP-SGD: the `[dp]` config -> engine, accountant, and their checkpointed state."""
 
-import math
-
 import torch
 from torch import nn
 
@@ -45,9 +43,11 @@ class PrivateTraining:
         logger.info(f"dp: mode {dp_config.mode}, C {dp_config.max_grad_norm}, sigma {sigma:.4f}, "
                     f"q {self.sample_rate:.3g}, {dp_config.accountant} accountant, {assumption}")  # fmt: skip
 
-    def backward(self, losses: torch.Tensor, mask: torch.Tensor | None, last_micro_batch: bool) -> None:
-        """Clipped, noised backward; the noise comes once per optimizer step (with the last micro-batch)."""
-        self.last_norms = self.engine.backward(losses, mask=mask, add_noise=last_micro_batch)
+    def backward(self, losses: torch.Tensor, mask: torch.Tensor | None, last_micro_batch: bool,
+                 on_norms=None) -> None:  # fmt: skip
+        """Clipped, noised backward; the noise comes once per optimizer step (with the last micro-batch).
+        `on_norms` is called between the norm pass and the clipped gradients (the step's "dp_norms" stage)."""
+        self.last_norms = self.engine.backward(losses, mask=mask, add_noise=last_micro_batch, on_norms=on_norms)
 
     def step_done(self) -> None:
         self.accountant.step()
@@ -66,25 +66,3 @@ class PrivateTraining:
     def load_state_dict(self, state: dict) -> None:
         self.engine.load_state_dict(state["engine"])
         self.accountant.load_state_dict(state["accountant"])
-
-
-def check_dp_config(job_config) -> str | None:
-    """The reason a DP config cannot run (None if it can): combinations the engine does not support."""
-    dp = job_config.dp
-    if not dp.enable:
-        return None
-    if job_config.compile.enable:
-        return (
-            f"dp.enable in {job_config.source_of('dp.enable')} with compile.enable in "
-            f"{job_config.source_of('compile.enable')}: the engine's per-layer hooks need eager blocks"
-        )
-    if job_config.quantize.linear.float8.enable:
-        return (
-            f"dp.enable in {job_config.source_of('dp.enable')} with quantize.linear.float8.enable in "
-            f"{job_config.source_of('quantize.linear.float8.enable')}: float8 layers have no per-sample rule"
-        )
-    if dp.target_epsilon < 0 or not math.isfinite(dp.target_epsilon):
-        return f"dp.target_epsilon = {dp.target_epsilon} in {job_config.source_of('dp.target_epsilon')}: must be >= 0"
-    if not 0 < dp.delta < 1:
-        return f"dp.delta = {dp.delta} in {job_config.source_of('dp.delta')}: must be in (0, 1)"
-    return None

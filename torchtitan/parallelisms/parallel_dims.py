@@ -8,7 +8,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 @dataclass
 class ParallelDims:
-    """Replicate x shard = world size; shard = -1 takes the rest of the world.
+    """Replicate x shard = world size (validated by config_validation.validate_layout); shard = -1 takes the rest.
 
     replicate > 1, shard == 1: DDP; shard > 1: FSDP; both > 1: HSDP on a 2D mesh.
     """
@@ -21,20 +21,9 @@ class ParallelDims:
     _dp_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
-        if self.dp_replicate < 1:
-            raise ValueError(f"parallelism.data_parallel_replicate_degree = {self.dp_replicate}: must be >= 1")
+        # The degrees were validated with the world size (config_validation.validate_layout): only resolve -1.
         if self.dp_shard == -1:
-            if self.world_size % self.dp_replicate != 0:
-                raise ValueError(
-                    f"parallelism.data_parallel_replicate_degree = {self.dp_replicate} does not divide "
-                    f"the world size {self.world_size}"
-                )
             self.dp_shard = self.world_size // self.dp_replicate
-        if self.dp_replicate * self.dp_shard != self.world_size:
-            raise ValueError(
-                f"parallelism.data_parallel_replicate_degree x data_parallel_shard_degree = "
-                f"{self.dp_replicate} x {self.dp_shard} != world size {self.world_size}"
-            )
 
     @property
     def dp_degree(self) -> int:

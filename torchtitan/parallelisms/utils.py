@@ -1,7 +1,7 @@
 """apply_* helpers shared by every model's parallelize function; each changes a module in place."""
 
 import contextlib
-from collections import defaultdict
+import functools
 
 import torch
 from torch import nn
@@ -15,7 +15,8 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from torchtitan.tools.logging import logger
 
 # Ops whose outputs selective AC keeps: the matmuls and attention (expensive to recompute);
-# everything else (norms, modulation, activations, RoPE) is cheap pointwise work, recomputed.
+# everything else (norms, modulation, activations, RoPE) is cheap pointwise work, recomputed. Converters add the
+# custom ops of theirs that hold a GEMM (apply_ac's `save_ops`).
 _SAVE_LIST = {
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
@@ -27,8 +28,6 @@ _SAVE_LIST = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.aten._scaled_mm.default,
 }
-# Custom ops that hold a GEMM, by name (they register when their model module is imported): the GELU MLP.
-_SAVE_CUSTOM = {"torchditan::gelu_mlp"}
 
 
 # In-place random fills: the only init ops whose result depends on how a tensor is split across ranks.
@@ -78,31 +77,40 @@ def torch_dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
-def _op_policy(ctx, op, *args, **kwargs):
-    saved = op in _SAVE_LIST or op.name() in _SAVE_CUSTOM
-    return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
+def op_policy(save_ops: frozenset = frozenset()):
+    """Per-op selective AC's policy: keep the outputs of _SAVE_LIST's ops and of `save_ops`, recompute the rest."""
+
+    def policy(ctx, op, *args, **kwargs):
+        saved = op in _SAVE_LIST or op in save_ops
+        return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
 
 
-def _selective_op_context():
-    return create_selective_checkpoint_contexts(_op_policy)
-
-
-def apply_ac(blocks: nn.ModuleDict, mode: str, selective_option: str) -> list[int]:
-    """Wraps blocks in activation checkpointing: all ('full'), per-op policy ('selective', 'op'),
-    or every k-th block ('selective', k). Returns the indices of the wrapped blocks."""
+def checkpointed_blocks(depth: int, mode: str, selective_option: str) -> list[bool]:
+    """Which of `depth` blocks activation checkpointing wraps (`[activation_checkpoint]` mode and
+    selective_ac_option): none ('none'), all ('full', or 'selective' with 'op'), or blocks 0, k, 2k, ...
+    ('selective' with k). The one rule apply_ac, the fused_norm converter and the memory estimate share."""
+    if mode == "none":
+        return [False] * depth
     every_k = int(selective_option) if mode == "selective" and selective_option != "op" else 1
-    wrapped = []
-    for index, (name, block) in enumerate(list(blocks.items())):
-        if index % every_k != 0:
-            continue
-        if mode == "selective" and selective_option == "op":
-            blocks[name] = checkpoint_wrapper(block, context_fn=_selective_op_context, preserve_rng_state=False)
-        else:
+    return [index % every_k == 0 for index in range(depth)]
+
+
+def apply_ac(blocks: nn.ModuleDict, mode: str, selective_option: str, save_ops: frozenset = frozenset()) -> None:
+    """Wraps blocks in activation checkpointing, those `checkpointed_blocks` names: whole blocks ('full', or
+    'selective' with k), or each under the per-op policy ('selective', 'op'), which also keeps the outputs of
+    `save_ops` (custom ops that hold a GEMM, which converters declare)."""
+    per_op = mode == "selective" and selective_option == "op"
+    context_fn = functools.partial(create_selective_checkpoint_contexts, op_policy(frozenset(save_ops)))
+    wrapped = checkpointed_blocks(len(blocks), mode, selective_option)
+    for (name, block), wrap in zip(list(blocks.items()), wrapped, strict=True):
+        if wrap and per_op:
+            blocks[name] = checkpoint_wrapper(block, context_fn=context_fn, preserve_rng_state=False)
+        elif wrap:
             blocks[name] = checkpoint_wrapper(block, preserve_rng_state=False)
-        wrapped.append(index)
     logger.info(f"activation checkpointing: {mode} ({selective_option if mode == 'selective' else 'all'}), "
-                f"{len(wrapped)}/{len(blocks)} blocks")  # fmt: skip
-    return wrapped
+                f"{sum(wrapped)}/{len(blocks)} blocks")  # fmt: skip
 
 
 def apply_compile(model: nn.Module, mode: str = "default", scope: str = "block") -> None:
@@ -143,39 +151,3 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh, compiled: bool) -> None:
     if compiled:
         torch._dynamo.config.optimize_ddp = "ddp_optimizer"
     replicate(model, device_mesh=mesh, bucket_cap_mb=100)
-
-
-def apply_float8(model: nn.Module, float8_config, fsdp_enabled: bool) -> bool:
-    """Swaps Linear layers for torchao float8 training layers, skipping filtered and small ones.
-
-    Returns whether FSDP all-gathers float8 weights (tensorwise recipe under FSDP), in which case the
-    trainer precomputes the scales after each optimizer step.
-    """
-    try:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    except ImportError as e:
-        raise ImportError("quantize.linear.float8.enable needs torchao: pip install torchao") from e
-    if not float8_config.emulate and not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)):
-        raise ValueError("quantize.linear.float8.enable needs an SM89+ GPU; set quantize.linear.float8.emulate = true")
-    fp8_all_gather = fsdp_enabled and float8_config.recipe_name == "tensorwise"
-    if float8_config.recipe_name == "tensorwise":
-        config = Float8LinearConfig(emulate=float8_config.emulate, enable_fsdp_float8_all_gather=fp8_all_gather)
-    else:
-        config = Float8LinearConfig.from_recipe_name(float8_config.recipe_name)
-        config = type(config)(**{**config.__dict__, "emulate": float8_config.emulate})
-    skipped = defaultdict(int)
-
-    def module_filter(module: nn.Module, fqn: str) -> bool:
-        if any(name in fqn for name in float8_config.filter_fqns):
-            skipped["filtered"] += 1
-            return False
-        # float8 matmuls only pay off on large dims, and need multiples of 16.
-        if not isinstance(module, nn.Linear) or module.in_features % 16 or module.out_features % 16:
-            skipped["shape"] += 1
-            return False
-        return True
-
-    convert_to_float8_training(model, config=config, module_filter_fn=module_filter)
-    logger.info(f"float8 training ({float8_config.recipe_name}) on Linear layers; skipped {dict(skipped)}; "
-                f"float8 all-gather {'on' if fp8_all_gather else 'off'}")  # fmt: skip
-    return fp8_all_gather

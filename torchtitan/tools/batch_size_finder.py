@@ -1,6 +1,6 @@
 """Largest local batch size that trains: start from the memory estimate, then probe and bisect.
 
-Each probe runs a few real steps in a fresh process (scripts/benchmark.py for one case), so one OOM cannot
+Each probe runs a few real steps of the trainer in a fresh process (torchtitan.tools.runs), so one OOM cannot
 poison the next probe. The search doubles from the start while probes fit (halves while they do not), then
 bisects between the largest batch that ran and the smallest that ran out of memory: O(log(batch)) probes.
 A probe that fails for any other reason stops the search, since a broken config must not pass for a memory
@@ -11,11 +11,6 @@ Used by scripts/find_max_batch_size.py (the CLI) and by the trainer's `--trainin
 """
 
 import copy
-import json
-import os
-import shlex
-import subprocess
-import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,12 +18,9 @@ from pathlib import Path
 
 from torchtitan.config_validation import ConfigError
 from torchtitan.tools.logging import logger
+from torchtitan.tools.runs import Run, launch
 
 ROOT = Path(__file__).resolve().parents[2]
-# Under torchrun these describe the parent's process group; a probe is a world of its own.
-_TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
-                  "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
-                  "TORCHELASTIC_USE_AGENT_STORE")  # fmt: skip
 # Share of GPU memory the estimate may fill when it alone picks the batch (several ranks): the estimate
 # is within -6%..+11% of measured peaks (docs/memory.md), and the CUDA context and fragmentation come on top.
 ESTIMATE_HEADROOM = 0.9
@@ -50,12 +42,6 @@ class Probe:
 
 class ProbeFailed(RuntimeError):
     """A probe failed for a reason other than running out of memory."""
-
-
-def ran_out_of_memory(output: str) -> bool:
-    """Whether a failed run's output shows torch's CUDA out-of-memory error. Not Triton's "out of resource"
-    (shared memory of a GEMM config), which Inductor's autotuning logs as an `OutOfMemoryError` and survives."""
-    return "CUDA out of memory" in output
 
 
 def find_max_batch_size(probe: Callable[[int], Probe], start: int, limit: int = 4096,
@@ -102,27 +88,19 @@ def find_max_batch_size(probe: Callable[[int], Probe], start: int, limit: int = 
 
 def benchmark_probe(config: str, train_args: list[str], nproc: int = 1, steps: int = 3,
                     warmup: int = 1) -> Callable[[int], Probe]:  # fmt: skip
-    """A probe that runs scripts/benchmark.py for one case in a fresh process at the given batch.
+    """A probe that measures the trainer's step at the given batch in a fresh process (torchtitan.tools.runs).
 
     The batch goes last on the command line, so it replaces any `local_batch_size` of the config or of
     `train_args` ("auto" included: a probe never searches itself).
     """
-    env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS}
 
     def probe(batch: int) -> Probe:
-        overrides = shlex.join([*train_args, "--training.local_batch_size", str(batch),
-                                "--training.global_batch_size=-1"])  # fmt: skip
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "result.json"
-            cmd = [sys.executable, str(ROOT / "scripts" / "benchmark.py"), "--config", config, "--warmup",
-                   str(warmup), "--steps", str(steps), "--nproc", str(nproc), "--case", f"bs{batch}={overrides}",
-                   "--json-out", str(out)]  # fmt: skip
-            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
-            if not out.is_file():
-                return Probe(batch, f"failed ({proc.returncode}): {proc.stderr[-500:]}")
-            result = json.loads(out.read_text())[0]
-        print(f"probe batch {batch}: {result['status']}", flush=True)
-        return Probe(batch, result["status"], result.get("peak_memory_gib"), result)
+        args = ["--job.config_file", config, *train_args, "--training.local_batch_size", str(batch),
+                "--training.global_batch_size=-1"]  # fmt: skip
+        outcome = launch(Run(f"bs{batch}", args, nproc), warmup, steps)
+        print(f"probe batch {batch}: {outcome.status}", flush=True)
+        status = outcome.status if outcome.status in ("ok", "OOM") else f"{outcome.status}: {outcome.output[-500:]}"
+        return Probe(batch, status, outcome.result.get("memory_peak_active_gib"), outcome.result)
 
     return probe
 
@@ -211,18 +189,13 @@ def resolve_local_batch_size(cfg, world_size: int, dp_degree: int, device_type: 
         probe: replaces the fresh-process probe (tests).
 
     Raises:
-        ConfigError: "auto" on CPU, an indivisible global batch, or not even batch 1 fits.
+        ConfigError: not even a batch of 1 fits (a CPU device and an indivisible global batch are refused
+            before, by config_validation.validate_layout).
     """
     t = cfg.training
     if t.local_batch_size != "auto":
         return t.local_batch_size
     key = f"training.local_batch_size = 'auto' in {cfg.source_of('training.local_batch_size')}"
-    if device_type != "cuda":
-        raise ConfigError(f"{key}: needs a CUDA device to measure memory on; give a number on {device_type}")
-    if t.global_batch_size != -1 and (t.global_batch_size <= 0 or t.global_batch_size % dp_degree):
-        raise ConfigError(f"training.global_batch_size = {t.global_batch_size} in "
-                          f"{cfg.source_of('training.global_batch_size')} is not divisible by "
-                          f"the data-parallel degree {dp_degree}")  # fmt: skip
     share = t.global_batch_size // dp_degree if t.global_batch_size != -1 else None
     limit = share or 4096
     memory_bytes = memory_bytes or device_memory_bytes(_current_cuda_device())

@@ -3,7 +3,10 @@
 At each stage of a step (after init, forward, backward, optimizer step, zero_grad) a `MemoryBreakdown`
 records the bytes held by each part and writes them to the run folder as JSON and a stacked-bar PNG:
 
-    python -m torchtitan.tools.memory_breakdown --job.config_file train_configs/debug_model.toml [--forward-only]
+    python -m torchtitan.measure --memory-breakdown [--forward-only] --job.config_file train_configs/debug_model.toml
+
+or in a training run with `[profiling] enable_memory_breakdown = true` (the trainer calls `MemoryBreakdownObserver` at
+the stages of its step).
 
 Tensor-owned parts are counted from the tensors themselves, one count per storage (FSDP's DTensor shards
 count their local, padded storage). Activations are what the rest of the step keeps alive:
@@ -15,13 +18,8 @@ count their local, padded storage). Activations are what the rest of the step ke
 The bytes that autograd saves for backward (saved_tensors_hooks, unique storages) are recorded beside them.
 """
 
-import argparse
 import contextlib
-import functools
-import gc
 import json
-import os
-import sys
 import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -283,37 +281,6 @@ def plot_breakdown(records: list[dict], path: Path, title: str = "") -> None:
     plt.close(fig)
 
 
-def breakdown_step(trainer, breakdown: MemoryBreakdown, step: int, forward_only: bool = False) -> None:
-    """One step of `trainer` as Trainer.train_step() takes it (without clipping or logging), recorded by stage."""
-    for micro in range(trainer.grad_accum_steps):
-        x, y, *mask = next(trainer.dataloader)
-        x, y = x.to(trainer.device), y.to(trainer.device)
-        mask = mask[0].to(trainer.device) if mask else None
-        with torch.no_grad() if forward_only else contextlib.nullcontext(), breakdown.track():
-            losses, _ = trainer.forward_losses(x, y, trainer.step, micro)
-        breakdown.record("forward", step)
-        if forward_only:
-            continue
-        with breakdown.track(), trainer.attention_context():  # an AC recompute must pick forward's kernel
-            if trainer.private is not None:
-                trainer.private.engine.stage_hook = functools.partial(breakdown.record, step=step)
-                trainer.private.backward(losses, mask, last_micro_batch=micro == trainer.grad_accum_steps - 1)
-            else:
-                (losses.sum() * trainer.dp_degree / trainer.global_batch).backward()
-        del losses  # what stays alive now is what backward left behind
-        breakdown.record("backward", step)
-    if not forward_only:
-        trainer.optimizer.step()
-        breakdown.record("optimizer_step", step)
-        trainer.optimizer.zero_grad(set_to_none=True)
-        if trainer.ema is not None:
-            trainer.ema.update()
-        breakdown.record("zero_grad", step)
-        if trainer.private is not None:
-            trainer.private.step_done()
-    trainer.step += 1
-
-
 def dp_buffer_reporter(private) -> Callable | None:
     """The DP engine's buffer reporter (`buffer_tensors()` or `buffer_bytes()`), if DP is on and offers one."""
     engine = getattr(private, "engine", None)
@@ -323,98 +290,46 @@ def dp_buffer_reporter(private) -> Callable | None:
     return None
 
 
-class StepBreakdown:
-    """The trainer's hook: records the first `steps` steps of a run (resumed or not), then writes the files.
+class MemoryBreakdownObserver:
+    """A step observer (see torchtitan/trainer.py): records the first `steps` steps a run takes (resumed or not) at
+    each stage the step reports, then writes memory_breakdown.json and .png to the run folder.
 
-    train_step() calls `maybe_track(step)` around forward and backward and `maybe_record(stage, step)`
-    after forward, backward, the optimizer step and zero_grad; both do nothing once the steps are done.
+    `track(step)` wraps forward and backward; `stage(name, step)` records after each stage. Steps count from 1.
     """
 
-    def __init__(self, breakdown: MemoryBreakdown | None, steps: int, folder: Path, rank: int, private=None):
+    def __init__(self, breakdown: MemoryBreakdown, steps: int, folder: Path, rank: int):
         self.breakdown, self.steps, self.folder, self.rank = breakdown, steps, Path(folder), rank
-        self.engine = getattr(private, "engine", None)  # DP: records a "dp_norms" stage inside its backward
         self.first_step = None
-        if breakdown is not None:
-            breakdown.record("init", 0)
+        self.written = None  # (json, png) once written
+        breakdown.record("init", 0)
+
+    @classmethod
+    def for_trainer(cls, trainer, steps: int, folder: Path | None = None) -> "MemoryBreakdownObserver":
+        breakdown = MemoryBreakdown(trainer.model, trainer.optimizer, trainer.device, trainer.ema,
+                                    dp_buffer_reporter(trainer.private))  # fmt: skip
+        return cls(breakdown, steps, folder or trainer.dump_folder, trainer.rank)
 
     def _active(self, step: int) -> bool:
-        if self.breakdown is None:
-            return False
         self.first_step = step if self.first_step is None else self.first_step
         return step < self.first_step + self.steps
 
-    def maybe_track(self, step: int):
-        active = self._active(step)
-        if self.engine is not None:
-            self.engine.stage_hook = functools.partial(self.breakdown.record, step=step + 1) if active else None
-        return self.breakdown.track() if active else contextlib.nullcontext()
+    def track(self, step: int):
+        return self.breakdown.track() if self._active(step) else contextlib.nullcontext()
 
-    def maybe_record(self, stage: str, step: int) -> None:
+    def stage(self, name: str, step: int) -> None:
         if not self._active(step):
             return
-        self.breakdown.record(stage, step + 1)  # steps counted from 1, as the metrics log them
-        if stage == "zero_grad" and step == self.first_step + self.steps - 1:
-            suffix = "" if self.rank == 0 else f"_rank{self.rank}"
-            paths = self.breakdown.write(self.folder, f"memory_breakdown{suffix}")
-            from torchtitan.tools.logging import logger
+        self.breakdown.record(name, step)
+        if name == "zero_grad" and step == self.first_step + self.steps - 1:
+            self.write()
 
-            logger.info(f"wrote the memory breakdown of {self.steps} step(s): {paths[0]}, {paths[1]}")
+    def write(self, name: str = "memory_breakdown", title: str = "") -> tuple[Path, Path]:
+        suffix = "" if self.rank == 0 else f"_rank{self.rank}"
+        self.written = self.breakdown.write(self.folder, f"{name}{suffix}", title)
+        from torchtitan.tools.logging import logger
 
-
-def build_memory_breakdown(profiling_config, model, optimizer, device, ema, private, dump_folder: Path,
-                           rank: int) -> StepBreakdown:  # fmt: skip
-    """From `[profiling] enable_memory_breakdown` / `memory_breakdown_steps` (off when the keys are absent)."""
-    enabled = getattr(profiling_config, "enable_memory_breakdown", False)
-    steps = getattr(profiling_config, "memory_breakdown_steps", 2)
-    breakdown = MemoryBreakdown(model, optimizer, device, ema, dp_buffer_reporter(private)) if enabled else None
-    return StepBreakdown(breakdown, steps, dump_folder, rank, private)
-
-
-def measure_breakdown(job_config_args: list[str], forward_only: bool = False, steps: int = 2,
-                      out: str | Path | None = None) -> dict:  # fmt: skip
-    """Builds a Trainer in this process from train.py arguments, runs `steps` steps and records each stage.
-
-    Args:
-        job_config_args: train.py arguments, e.g. ["--job.config_file", "train_configs/debug_model.toml"].
-            The dataset is replaced by `dummy`; checkpoints, sampling and TensorBoard are off.
-        forward_only: forward under torch.no_grad, no backward or optimizer step (inference memory).
-        steps: steps to record (the optimizer states appear in the first, the steady state in the second).
-        out: folder for the JSON and PNG; defaults to the run folder (job.dump_folder).
-
-    Returns:
-        {"device", "forward_only", "records": [...], "json": path, "png": path} (paths on rank 0 only).
-    """
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    import train
-    from torchtitan.config_manager import parse_args
-
-    train.init_logger()
-    cfg = parse_args([*job_config_args, "--training.dataset", "dummy", "--checkpoint.enable", "false",
-                      "--sampling.freq", "0", "--metrics.enable_tensorboard", "false"])  # fmt: skip
-    gc_enabled = gc.isenabled()  # the Trainer turns automatic collection off; callers get it back
-    trainer = train.Trainer(cfg)
-    try:
-        if trainer.device.type != "cuda" and cfg.compile.enable:
-            from torchtitan.tools.logging import logger
-
-            logger.warning("memory breakdown on CPU follows eager ops: compiled blocks may hide their tensors")
-        breakdown = MemoryBreakdown(trainer.model, trainer.optimizer, trainer.device, trainer.ema,
-                                    dp_buffer_reporter(trainer.private))  # fmt: skip
-        breakdown.record("init", 0)
-        for step in range(1, steps + 1):
-            breakdown_step(trainer, breakdown, step, forward_only)
-        result = {"device": trainer.device.type, "forward_only": forward_only, "records": breakdown.records}
-        if trainer.rank == 0:
-            name = "memory_breakdown_forward" if forward_only else "memory_breakdown"
-            mode = "forward only (no_grad)" if forward_only else "training"
-            title = f"{cfg.model.flavor}, batch {cfg.training.local_batch_size}, {mode}, {trainer.device.type}"
-            json_path, png_path = breakdown.write(Path(out or trainer.dump_folder), name, title)
-            result.update(json=str(json_path), png=str(png_path))
-        return result
-    finally:
-        trainer.close()
-        if gc_enabled:
-            gc.enable()
+        logger.info(f"wrote the memory breakdown of {self.steps} step(s): {self.written[0]}, {self.written[1]}")
+        return self.written
 
 
 def format_records(records: list[dict]) -> str:
@@ -424,19 +339,3 @@ def format_records(records: list[dict]) -> str:
     for r in records:
         rows.append(f"| {r['step']}:{r['stage']} | " + " | ".join(f"{r[c] / 1024**2:.2f}" for c in columns) + " |")
     return "\n".join(rows)
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--forward-only", action="store_true", help="forward under no_grad, no backward")
-    parser.add_argument("--steps", type=int, default=2, help="steps to record")
-    parser.add_argument("--out", default="", help="output folder (default: the run folder)")
-    args, train_args = parser.parse_known_args(argv)
-    result = measure_breakdown(train_args, args.forward_only, args.steps, args.out or None)
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(format_records(result["records"]))
-        print(f"wrote {result['json']} and {result['png']}")
-
-
-if __name__ == "__main__":
-    main()

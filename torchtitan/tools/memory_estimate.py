@@ -16,14 +16,23 @@ Activations are a model, one row per tensor a DiTBlock keeps for backward (`bloc
   against 318.9 MiB measured on an H100 (compile per block, batch 64, one forward);
 - bf16 autocast, eager: norms run in fp32 (autocast's fp32 list), so their inputs and outputs are fp32
   copies, and autocast keeps a bf16 copy of every matmul weight until backward. Not measured on a GPU yet.
+
+Converters (`model.converters`, torchtitan/kernels/) change some rows where their kernels run (`kernel_paths`): the
+adaLN norm kernel keeps its input in the stream's dtype and neither its output nor 1 + scale, and in eager blocks
+norm2 keeps norm1's x', so the mid-block residual is not kept again; the SwiGLU kernel keeps no silu(gate); the GELU
+MLP op (cuBLASLt) is kept whole by per-op selective AC. fused_norm hands the residual stream on in parts on any
+device, which keeps a copy of gate_mlp per block. On CPU in fp32 the rows are exact with and without converters, the
+kernels' included (run in Triton's interpreter; see the tests). Compiled, DiT-XL/2's blocks kept the same with and
+without the converters on an H100 (bf16, batch 32, one forward: 10051 and 10085 MiB; the estimate says 10486).
 """
 
 import argparse
 import math
 from dataclasses import dataclass, field, replace
 
+from torchtitan.kernels.dit_modules import residual_finished
 from torchtitan.models.dit.model import POS_EMBEDS, DiTArgs
-from torchtitan.parallelisms.utils import reshards_after_forward
+from torchtitan.parallelisms.utils import checkpointed_blocks, reshards_after_forward
 
 PRECISIONS = ("fp32", "bf16_autocast", "bf16_fsdp")
 MIB, GIB = 1024**2, 1024**3
@@ -83,18 +92,38 @@ class SavedTensor:
     selective: bool = False  # kept by per-op selective AC: outputs of matmuls and attention, and the block input
 
 
-def block_saved_tensors(args: DiTArgs) -> list[SavedTensor]:
-    """What one DiTBlock keeps for backward, per image, in the order its forward creates them."""
+def kernel_paths(args: DiTArgs, converters, kernels_run: bool, precision: str) -> frozenset[str]:
+    """The kernel paths of the converters that change what a block keeps: "adaln_norm" (fused_norm), "bias_act" or
+    "gelu_mlp" (fused_mlp: the cuBLASLt GELU MLP for GELU in 16 bits, the Triton kernel otherwise). None where the
+    kernels do not run (`kernels_run`: CUDA, or CPU under Triton's interpreter). fused_qkv keeps what the plain
+    attention keeps."""
+    paths = set()
+    if kernels_run and "fused_norm" in converters:
+        paths.add("adaln_norm")
+    if kernels_run and "fused_mlp" in converters:
+        paths.add("gelu_mlp" if args.mlp == "gelu" and precision != "fp32" else "bias_act")
+    return frozenset(paths)
+
+
+def block_saved_tensors(args: DiTArgs, kernels: frozenset[str] = frozenset()) -> list[SavedTensor]:
+    """What one DiTBlock keeps for backward, per image, in the order its forward creates them; `kernels` are the
+    kernel paths that run (`kernel_paths`)."""
     D, T, nh, H = args.dim, args.num_tokens, args.num_heads, args.mlp_hidden_dim
     fc1_out = 2 * H if args.mlp == "swiglu" else H
-    stats = (1 if args.norm == "rmsnorm" else 2) * T  # rstd (RMSNorm) or mean and rstd (LayerNorm)
+    norm_kernel = "adaln_norm" in kernels
+    # rstd (RMSNorm) or mean and rstd (LayerNorm); the kernel writes both for either norm.
+    stats = (2 if norm_kernel or args.norm == "layernorm" else 1) * T
+    # The kernel keeps the stream in its own dtype (no fp32 copy under autocast), and neither its output nor 1 + scale.
+    norm_in, torch_norm = ("compute", False) if norm_kernel else ("norm_in", True)
     rows = [
         SavedTensor("silu(c) (B, D): adaLN's matmul input", D, compiled=False),
         SavedTensor("adaLN output (B, 6D): shift/scale/gate are views of it", 6 * D, selective=True),
-        SavedTensor("block input x (B, T, D): norm1's input", T * D, "norm_in", selective=True),
+        SavedTensor("block input x (B, T, D): norm1's input", T * D, norm_in, selective=True),
         SavedTensor(f"norm1 statistics (B, T) x {stats // T}, fp32", stats, "fp32"),
-        SavedTensor("1 + scale_msa (B, D)", D, compiled=False),
-        SavedTensor("norm1 output (B, T, D): the modulation's multiplicand", T * D, "norm_out", compiled=False),
+        SavedTensor("1 + scale_msa (B, D)", D, eager=torch_norm, compiled=False),
+        SavedTensor(
+            "norm1 output (B, T, D): the modulation's multiplicand", T * D, "norm_out", eager=torch_norm, compiled=False
+        ),
         SavedTensor("modulated input of qkv (B, T, D)", T * D),
         SavedTensor("qkv output (B, T, 3D): v is a view of it, so attention keeps it all", 3 * T * D, selective=True),
     ]
@@ -110,34 +139,43 @@ def block_saved_tensors(args: DiTArgs) -> list[SavedTensor]:
     rows.append(SavedTensor("attention logsumexp (B, nh, T), fp32", nh * T, "fp32", selective=True))
     rows += [
         SavedTensor("proj output (B, T, D): gate_msa's multiplicand", T * D, selective=True),
-        SavedTensor("x + gate_msa * attn (B, T, D): norm2's input", T * D, "norm_in"),
+        # The norm kernel recomputes x + gate_msa * attn in backward from norm1's x', which it keeps instead. Compiled,
+        # plain and converted blocks kept the same (DiT-XL/2, bf16, batch 32, one H100: 10085 and 10051 MiB after one
+        # forward), so the compiled column stays the plain model's.
+        SavedTensor("x + gate_msa * attn (B, T, D): norm2's input", T * D, norm_in, eager=torch_norm),
         SavedTensor(f"norm2 statistics (B, T) x {stats // T}, fp32", stats, "fp32"),
-        SavedTensor("1 + scale_mlp (B, D)", D, compiled=False),
-        SavedTensor("norm2 output (B, T, D)", T * D, "norm_out", compiled=False),
+        SavedTensor("1 + scale_mlp (B, D)", D, eager=torch_norm, compiled=False),
+        SavedTensor("norm2 output (B, T, D)", T * D, "norm_out", eager=torch_norm, compiled=False),
         SavedTensor("modulated input of fc1 (B, T, D)", T * D),
         SavedTensor(f"fc1 output (B, T, {fc1_out})", T * fc1_out, selective=True),
     ]
-    if args.mlp == "swiglu":
-        rows.append(SavedTensor(f"silu(gate) (B, T, {H})", T * H, compiled=False))
+    if args.mlp == "swiglu":  # the SwiGLU kernel keeps only its input, fc1's output
+        rows.append(SavedTensor(f"silu(gate) (B, T, {H})", T * H, eager="bias_act" not in kernels, compiled=False))
         rows.append(SavedTensor(f"silu(gate) * up (B, T, {H}): fc2's input", T * H))
-    else:
-        rows.append(SavedTensor(f"GELU output (B, T, {H}): fc2's input", T * H))
+    else:  # per-op selective AC keeps every output of the GELU MLP op, the GELU's among them
+        rows.append(SavedTensor(f"GELU output (B, T, {H}): fc2's input", T * H, selective="gelu_mlp" in kernels))
     rows.append(SavedTensor("fc2 output (B, T, D): gate_mlp's multiplicand", T * D, selective=True))
     return rows
 
 
-def head_saved_tensors(args: DiTArgs) -> list[SavedTensor]:
+def head_saved_tensors(args: DiTArgs, kernels: frozenset[str] = frozenset()) -> list[SavedTensor]:
     """What the model keeps outside the blocks, per image (embedders, final layer, loss); always eager."""
     D, T = args.dim, args.num_tokens
     image = args.in_channels * args.input_size**2
-    stats = (1 if args.norm == "rmsnorm" else 2) * T
+    norm_kernel = "adaln_norm" in kernels
+    stats = (2 if norm_kernel or args.norm == "layernorm" else 1) * T
     rows = [
         SavedTensor("noised input x_t (B, C, H, W): the patch embedding's input", image),
         SavedTensor("timestep features (B, 256), embedder hidden and conditioning c (B, D) x 3", 256 + 3 * D),
-        SavedTensor("last block output (B, T, D): final norm's input", T * D, "norm_in"),
+        SavedTensor("last block output (B, T, D): final norm's input", T * D, "compute" if norm_kernel else "norm_in"),
         SavedTensor("final norm statistics, fp32", stats, "fp32"),
-        SavedTensor("final adaLN: silu(c) (B, D) and 1 + scale (B, D); no gate keeps its output", 2 * D),
-        SavedTensor("final norm output (B, T, D)", T * D, "norm_out"),
+    ]
+    if norm_kernel:  # the kernel keeps scale, a view of the final adaLN output, and not its own output
+        rows.append(SavedTensor("final adaLN: silu(c) (B, D) and its output (B, 2D), which scale views", 3 * D))
+    else:
+        rows.append(SavedTensor("final adaLN: silu(c) (B, D) and 1 + scale (B, D); no gate keeps its output", 2 * D))
+        rows.append(SavedTensor("final norm output (B, T, D)", T * D, "norm_out"))
+    rows += [
         SavedTensor("modulated input of the final linear (B, T, D)", T * D),
         SavedTensor("prediction minus target (B, C, H, W), fp32", image, "fp32"),
     ]
@@ -213,21 +251,19 @@ def _state_parts(args: DiTArgs, shard: int, rank: int, ema: bool, lines: list[st
 
 def _blocks_with_ac(depth: int, ac_mode: str, ac_option: str) -> list[str]:
     """Per block: "none", "full" or "selective" (per op), as apply_ac wraps them."""
-    if ac_mode == "none":
-        return ["none"] * depth
-    if ac_mode == "selective" and ac_option != "op":
-        every_k = int(ac_option)
-        return ["full" if i % every_k == 0 else "none" for i in range(depth)]
-    return [ac_mode] * depth
+    wrapped = "selective" if ac_mode == "selective" and ac_option == "op" else "full"
+    return [wrapped if checkpointed else "none" for checkpointed in checkpointed_blocks(depth, ac_mode, ac_option)]
 
 
-def _activation_parts(args: DiTArgs, batch: int, precision: str, ac_mode: str, ac_option: str, compiled: bool,
-                      lines: list[str]) -> dict[str, int]:  # fmt: skip
+def _activation_parts(args: DiTArgs, batch: int, precision: str, ac: tuple[str, str], compiled: bool,
+                      converters, kernels_run: bool, lines: list[str]) -> dict[str, int]:  # fmt: skip
     """Bytes kept from forward to backward, and the extra a backward step needs at its peak."""
     D, T, B = args.dim, args.num_tokens, batch
     compute = 4 if precision == "fp32" else 2
-    rows = block_saved_tensors(args)
+    kernels = kernel_paths(args, converters, kernels_run, precision)
+    rows = block_saved_tensors(args, kernels)
     mode = "compiled (inductor partitioner)" if compiled else "eager"
+    lines.append(f"converters {list(converters)}; kernel paths that change what is kept: {sorted(kernels) or 'none'}")
     lines.append(f"one residual-stream tensor = B x T x D x bytes = {B} x {T} x {D} x {compute} B = "
                  f"{_fmt(B * T * D * compute)}")  # fmt: skip
     lines.append(f"saved per DiTBlock ({mode}, {precision}), per image and for the batch of {B}:")
@@ -243,15 +279,17 @@ def _activation_parts(args: DiTArgs, batch: int, precision: str, ac_mode: str, a
     }
     units = per_block["none"] / (T * D * compute)
     lines.append(f"  = {_fmt(per_block['none'])} per image per block, {units:.2f} residual-stream tensors")
-    kinds = _blocks_with_ac(args.depth, ac_mode, ac_option)
-    head = saved_bytes_per_image(head_saved_tensors(args), precision, compiled=False)  # compile covers blocks only
+    kinds = _blocks_with_ac(args.depth, *ac)
+    head = saved_bytes_per_image(head_saved_tensors(args, kernels), precision, compiled=False)  # blocks compile only
     blocks = sum(per_block[k] for k in kinds)
     counts = {k: kinds.count(k) for k in ("none", "selective", "full") if kinds.count(k)}
     lines.append(f"blocks by activation checkpointing {counts}: "
                  + ", ".join(f"{k} keeps {_fmt(per_block[k])}/image" for k in counts))  # fmt: skip
-    # A block that hands its residual apart (DiTBlock: neither it nor the next is checkpointed) passes on a copy of
-    # gate_mlp (B, D), which the next norm keeps; the copy is what keeps FSDP's backward hook off a view.
-    handed = sum(k == "none" and (i + 1 == len(kinds) or kinds[i + 1] == "none") for i, k in enumerate(kinds))
+    # Under fused_norm a block that hands its residual on in parts (neither it nor the next is checkpointed) passes
+    # on a copy of gate_mlp (B, D), which the next norm keeps; the copy keeps FSDP's backward hook off a view.
+    handed = 0
+    if "fused_norm" in converters:
+        handed = residual_finished(checkpointed_blocks(args.depth, *ac)).count(False)
     blocks += handed * D * compute
     lines.append(f"gate_mlp copies handed on by {handed} block(s): {_fmt(handed * D * compute)}/image")
     lines.append(f"outside the blocks (embedders, final layer, loss; eager): {_fmt(head)}/image")
@@ -283,8 +321,8 @@ def _activation_parts(args: DiTArgs, batch: int, precision: str, ac_mode: str, a
 
 def estimate_memory(args: DiTArgs, batch: int, precision: str = "bf16_autocast", ac_mode: str = "none",
                     ac_option: str = "op", compiled: bool = False, dp_shard: int = 1, dp_replicate: int = 1,
-                    rank: int = 0, ema: bool = True,
-                    reshard_after_forward: str = "default") -> MemoryEstimate:  # fmt: skip
+                    rank: int = 0, ema: bool = True, reshard_after_forward: str = "default",
+                    converters=(), kernels_run: bool = False) -> MemoryEstimate:  # fmt: skip
     """Memory of one rank training DiT(args) with AdamW.
 
     Args:
@@ -299,6 +337,9 @@ def estimate_memory(args: DiTArgs, batch: int, precision: str = "bf16_autocast",
         reshard_after_forward: FSDP's `parallelism.fsdp_reshard_after_forward`: which gathered parameters stay
             from forward to backward ("default": the root and the last block; "never": the root and every
             block; "always": none).
+        converters: `model.converters` (fused_norm hands the residual stream on in parts on any device).
+        kernels_run: whether the converters' kernels run (CUDA, or CPU under Triton's interpreter): see
+            `kernel_paths`.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
@@ -308,7 +349,8 @@ def estimate_memory(args: DiTArgs, batch: int, precision: str = "bf16_autocast",
     if dp_replicate > 1 and dp_shard == 1:
         est.parts["ddp_buckets"] = est.parts["gradients"]  # the reducer's bucket copy of the gradients
         est.lines.append("DDP: gradient buckets as large as the gradients (gradient_as_bucket_view off)")
-    est.parts.update(_activation_parts(args, batch, precision, ac_mode, ac_option, compiled, est.lines))
+    est.parts.update(_activation_parts(args, batch, precision, (ac_mode, ac_option), compiled, converters, kernels_run,
+                                       est.lines))  # fmt: skip
     transient = 0
     if fsdp:
         # The all-gather output of a parameter is its padded shard times the shard degree.
@@ -336,7 +378,8 @@ def estimate_memory(args: DiTArgs, batch: int, precision: str = "bf16_autocast",
 
 
 def estimate_from_job_config(cfg, world_size: int = 1, device_type: str = "cuda", rank: int = 0) -> MemoryEstimate:
-    """The estimate for a JobConfig (as train.py would run it on `world_size` ranks)."""
+    """The estimate for a JobConfig (as train.py would run it on `world_size` ranks of `device_type`)."""
+    from torchtitan.kernels.triton_support import triton, triton_interpreting
     from torchtitan.parallelisms.parallel_dims import ParallelDims
     from torchtitan.train_spec import build_model_args, get_train_spec
 
@@ -350,9 +393,13 @@ def estimate_from_job_config(cfg, world_size: int = 1, device_type: str = "cuda"
         precision = "bf16_fsdp" if dims.fsdp_enabled else "bf16_autocast"
     ac = cfg.activation_checkpoint
     compiled = cfg.compile.enable and "model" in cfg.compile.components
+    converters = cfg.model.converters
+    if cfg.dp.enable or "float8" in converters:  # DP-SGD's hooks and float8's Linears keep the MLP's module path
+        converters = [c for c in converters if c != "fused_mlp"]
+    kernels_run = triton is not None and (device_type == "cuda" or triton_interpreting())
     return estimate_memory(args, cfg.training.local_batch_size, precision, ac.mode, ac.selective_ac_option, compiled,
                            dims.dp_shard, dims.dp_replicate, rank, cfg.training.ema_decay > 0,
-                           p.fsdp_reshard_after_forward)  # fmt: skip
+                           p.fsdp_reshard_after_forward, converters, kernels_run)  # fmt: skip
 
 
 def max_batch_that_fits(budget_bytes: int, estimate_fn, limit: int = 1 << 16) -> int:
@@ -370,6 +417,7 @@ def max_batch_that_fits(budget_bytes: int, estimate_fn, limit: int = 1 << 16) ->
 
 
 def main(argv: list[str] | None = None) -> None:
+    from torchtitan.job_config import Model
     from torchtitan.models.dit import dit_configs
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -388,6 +436,12 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("input_size", "in_channels", "patch_size", "num_classes"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help="flavor override")
     parser.add_argument("--pos-embed", default=None, choices=POS_EMBEDS, help="flavor override")
+    parser.add_argument(
+        "--converters",
+        default=",".join(Model().converters),
+        help="model.converters, comma-separated ('' for the plain model)",
+    )
+    parser.add_argument("--no-kernels", action="store_true", help="the converters' kernels do not run (CPU)")
     parser.add_argument("--device-memory-gib", type=float, default=0.0, help="also print the largest batch that fits")
     a = parser.parse_args(argv)
     args = replace(dit_configs[a.flavor])
@@ -395,10 +449,11 @@ def main(argv: list[str] | None = None) -> None:
         if getattr(a, name) is not None:
             setattr(args, name, getattr(a, name))
     args.validate()
+    converters = [name for name in a.converters.split(",") if name]
 
     def estimate(batch: int) -> MemoryEstimate:
         return estimate_memory(args, batch, a.precision, a.ac, a.ac_option, a.compile, a.shard, a.replicate,
-                               a.rank, not a.no_ema, a.reshard_after_forward)  # fmt: skip
+                               a.rank, not a.no_ema, a.reshard_after_forward, converters, not a.no_kernels)  # fmt: skip
 
     print(estimate(a.batch).report())
     if a.device_memory_gib > 0:

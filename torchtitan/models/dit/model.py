@@ -1,6 +1,7 @@
 """Diffusion Transformer (DiT), after Peebles & Xie, "Scalable Diffusion Models with Transformers".
 
-A plain nn.Module: no parallelism, DP, logging or config objects here.
+A plain nn.Module: no kernels, parallelism, DP, logging or config objects here. Fused kernels are converters
+(torchtitan/kernels/) that parallelize_dit applies: they swap in modules with the same parameter names.
 """
 
 import math
@@ -11,17 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from torchtitan.models.dit.adaln_norm import modulated_norm
-from torchtitan.models.dit.mlp_activation import (
-    ACTIVATIONS,
-    activation,
-    bias_activation,
-    gelu_mlp,
-    gelu_mlp_applies,
-)
-from torchtitan.models.dit.qkv_projection import qkv_linear
 from torchtitan.models.dit.rope import apply_rope, build_rope_2d
-from torchtitan.tools.triton_support import kernel_path_applies
 
 _compiled_flex_attention = None  # built on first use: torch.compile at import would cost every process seconds
 
@@ -37,8 +28,13 @@ def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_
     return _compiled_flex_attention(q, k, v, block_mask=block_mask)
 
 
-# Position encodings a DiT can use (DiTArgs.pos_embed).
+# Position encodings, norms and MLPs a DiT can use (DiTArgs.pos_embed, .norm, .mlp).
 POS_EMBEDS = ("rope2d", "sincos", "learned")
+NORMS = ("layernorm", "rmsnorm")
+MLPS = ("gelu", "swiglu")
+# Keys that DiTArgs once had and exported "model_args" metadata may still carry: the fused kernels' switches, now
+# `model.converters` (torchtitan/kernels/converters.py). They never changed the parameters.
+_LEGACY_ARGS = ("fused_norm", "fused_mlp", "fused_qkv")
 
 
 @dataclass
@@ -62,9 +58,16 @@ class DiTArgs:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     multiple_of: int = 256  # SwiGLU hidden size rounding, as in Llama
-    fused_norm: bool = True  # on CUDA, each adaLN norm (and the gated residual add before it) is one Triton kernel
-    fused_mlp: bool = True  # on CUDA, fc1's bias and activation in one kernel, or GELU in GEMMs (mlp_activation.py)
-    fused_qkv: bool = True  # on CUDA, qkv's gradient assembly and bias sum are one Triton kernel (qkv_projection.py)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "DiTArgs":
+        """DiTArgs from a dict such as an export's "model_args" metadata; keys of older releases that no longer
+        shape the model (fused_norm, fused_mlp, fused_qkv) are dropped.
+
+        Raises:
+            TypeError: a key that is neither a field nor a legacy key, named.
+        """
+        return cls(**{key: value for key, value in values.items() if key not in _LEGACY_ARGS})
 
     @property
     def out_channels(self) -> int:
@@ -98,8 +101,8 @@ class DiTArgs:
             raise ValueError(f"rope2d needs head_dim divisible by 4, got {self.head_dim}")
         for name, value, allowed in (
             ("pos_embed", self.pos_embed, POS_EMBEDS),
-            ("norm", self.norm, ("layernorm", "rmsnorm")),
-            ("mlp", self.mlp, ACTIVATIONS),
+            ("norm", self.norm, NORMS),
+            ("mlp", self.mlp, MLPS),
         ):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
@@ -119,21 +122,16 @@ def window_block_mask(grid: int, window: int, device: torch.device):
     return create_block_mask(neighbourhood, None, None, tokens, tokens, device=device, BLOCK_SIZE=min(128, tokens))
 
 
-class ModulatedNorm(nn.Module):
-    """adaLN: a norm without affine weights, modulated per sample (DiT paper), after an optional gated residual add.
+def build_norm(args: DiTArgs) -> nn.Module:
+    """A block's norm: LayerNorm or RMSNorm without affine weights, since adaLN supplies scale and shift."""
+    if args.norm == "rmsnorm":
+        return nn.RMSNorm(args.dim, eps=args.norm_eps, elementwise_affine=False)
+    return nn.LayerNorm(args.dim, eps=args.norm_eps, elementwise_affine=False)
 
-    forward(x, shift, scale, branch, gate) returns (x', h) with x' = x + gate * branch (x without a branch) and
-    h = norm(x') * (1 + scale) + shift; one Triton kernel each way on CUDA (adaln_norm.py). `save_output`: the
-    kernels keep x', not x, for backward (see adaln_norm.modulated_norm).
-    """
 
-    def __init__(self, kind: str, eps: float, fused: bool, save_output: bool = False):
-        super().__init__()
-        self.kind, self.eps, self.fused, self.save_output = kind, eps, fused, save_output
-
-    def forward(self, x, shift, scale, branch=None, gate=None) -> tuple[torch.Tensor, torch.Tensor]:
-        return modulated_norm(x, shift, scale, branch, gate, kind=self.kind, eps=self.eps, fused=self.fused,
-                              save_output=self.save_output)  # fmt: skip
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """adaLN's per-sample modulation of normalized tokens (DiT's `modulate`): x (B, T, D), shift and scale (B, D)."""
+    return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
 
 
 def timestep_frequencies(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
@@ -209,7 +207,7 @@ class LabelEmbedder(nn.Module):
 class Attention(nn.Module):
     def __init__(self, args: DiTArgs):
         super().__init__()
-        self.num_heads, self.fused = args.num_heads, args.fused_qkv
+        self.num_heads = args.num_heads
         self.qkv = nn.Linear(args.dim, 3 * args.dim)
         self.proj = nn.Linear(args.dim, args.dim)
         if args.qk_norm:
@@ -220,10 +218,13 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None, block_mask=None) -> torch.Tensor:
         B, T, D = x.shape
-        if self.fused and kernel_path_applies(x, self.qkv):
-            q, k, v = qkv_linear(x, self.qkv.weight, self.qkv.bias, self.num_heads)  # each (B, T, nh, hd)
-        else:
-            q, k, v = self.qkv(x).view(B, T, 3, self.num_heads, D // self.num_heads).unbind(2)
+        q, k, v = self.qkv(x).view(B, T, 3, self.num_heads, D // self.num_heads).unbind(2)  # each (B, T, nh, hd)
+        return self.proj(self.attend(q, k, v, rope, block_mask))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: torch.Tensor | None,
+               block_mask=None) -> torch.Tensor:  # fmt: skip
+        """Attention of q, k, v (B, T, nh, hd) -> (B, T, D), before the output projection."""
+        B, T, nh, hd = q.shape
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
@@ -237,75 +238,56 @@ class Attention(nn.Module):
             out = windowed_attention(q, k, v, block_mask)  # only the 2D neighbourhood
         else:
             out = F.scaled_dot_product_attention(q, k, v)  # non-causal: every patch sees every patch
-        return self.proj(out.transpose(1, 2).reshape(B, T, D))
+        return out.transpose(1, 2).reshape(B, T, nh * hd)
 
 
 class FeedForward(nn.Module):
     def __init__(self, args: DiTArgs):
         super().__init__()
-        self.kind, self.fused = args.mlp, args.fused_mlp
+        self.kind = args.mlp
         hidden = args.mlp_hidden_dim
         self.fc1 = nn.Linear(args.dim, 2 * hidden if self.kind == "swiglu" else hidden)
         self.fc2 = nn.Linear(hidden, args.dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused and kernel_path_applies(x, self.fc1):
-            if gelu_mlp_applies(x, self.kind) and kernel_path_applies(x, self.fc2):  # GELU inside the GEMMs
-                return gelu_mlp(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias)
-            # fc1 without its bias; the bias, the activation and (in backward) the bias gradient in one kernel
-            return self.fc2(bias_activation(F.linear(x, self.fc1.weight), self.fc1.bias, self.kind))
-        return self.fc2(activation(self.fc1(x), self.kind))
+        h = self.fc1(x)
+        if self.kind == "swiglu":  # Llama's gated MLP: silu(gate) * up
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate="tanh")  # DiT's GELU
+        return self.fc2(h)
 
 
 class DiTBlock(nn.Module):
-    """Transformer block with adaLN-Zero conditioning (DiT paper, Fig. 3).
-
-    The residual stream is handed from block to block apart: a block takes (x, branch, gate), the previous
-    block's stream before its MLP branch is added, and returns its own, so each gated residual add happens in the
-    norm after it, inside that norm's kernel (adaln_norm.py): x_out = x + gate * branch is never a pass of its own.
-    With `finish_residual` set, the block adds its MLP branch itself and returns (x_out, None, None): apply_dit_ac
-    sets it on each checkpointed block and the block before it, since a checkpointed block keeps its inputs for
-    backward (one tensor is cheaper to keep than two) and its MLP output would be kept by the next norm.
-    """
+    """Transformer block with adaLN-Zero conditioning (DiT paper, Fig. 3)."""
 
     def __init__(self, args: DiTArgs):
         super().__init__()
-        # norm1 keeps its output x' (which norm2 keeps as its input) rather than its input, which nothing else keeps.
-        self.norm1 = ModulatedNorm(args.norm, args.norm_eps, args.fused_norm, save_output=True)
+        self.norm1 = build_norm(args)
         self.attn = Attention(args)
-        self.norm2 = ModulatedNorm(args.norm, args.norm_eps, args.fused_norm)
+        self.norm2 = build_norm(args)
         self.mlp = FeedForward(args)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(args.dim, 6 * args.dim))
-        self.finish_residual = False
 
-    def forward(self, x: torch.Tensor, c: torch.Tensor, rope: torch.Tensor | None, block_mask=None,
-                branch: torch.Tensor | None = None, gate: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
-        """(x, branch, gate) of the previous block (branch and gate None: x is the whole stream) -> this block's."""
+    def forward(self, x: torch.Tensor, c: torch.Tensor, rope: torch.Tensor | None, block_mask=None) -> torch.Tensor:
+        """x (B, T, D), c (B, D) -> (B, T, D)."""
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c).chunk(6, dim=-1)
-        x, h = self.norm1(x, shift_msa, scale_msa, branch, gate)  # x + gate * branch, then norm1
-        attn_out = self.attn(h, rope, block_mask)
-        x, h = self.norm2(x, shift_mlp, scale_mlp, attn_out, gate_msa)  # x + gate_msa * attn_out, then norm2
-        mlp_out = self.mlp(h)
-        if self.finish_residual:
-            return x + gate_mlp.unsqueeze(1) * mlp_out, None, None
-        # The gate leaves as a tensor of its own, not a view into the modulation: FSDP hooks a block's outputs for
-        # backward, and a hook on a view is lost if anything later changes that view in place.
-        return x, mlp_out, gate_mlp.clone()
+        x = x + gate_msa.unsqueeze(1) * self.attn(modulate(self.norm1(x), shift_msa, scale_msa), rope, block_mask)
+        return x + gate_mlp.unsqueeze(1) * self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp))
 
 
 class FinalLayer(nn.Module):
     def __init__(self, args: DiTArgs):
         super().__init__()
-        self.norm_final = ModulatedNorm(args.norm, args.norm_eps, args.fused_norm, save_output=True)
+        self.norm_final = build_norm(args)
         self.linear = nn.Linear(args.dim, args.patch_size**2 * args.out_channels)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(args.dim, 2 * args.dim))
 
-    def forward(self, x: torch.Tensor, c: torch.Tensor, branch: torch.Tensor | None = None,
-                gate: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-        """The last block's (x, branch, gate) -> (B, T, p*p*C_out)."""
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        """x (B, T, D), c (B, D) -> (B, T, p*p*C_out)."""
         shift, scale = self.adaLN_modulation(c).chunk(2, dim=-1)
-        return self.linear(self.norm_final(x, shift, scale, branch, gate)[1])
+        return self.linear(modulate(self.norm_final(x), shift, scale))
 
 
 class DiT(nn.Module):
@@ -388,10 +370,11 @@ class DiT(nn.Module):
         c = self.t_embedder(t)  # (B, D)
         if self.y_embedder is not None:
             c = c + self.y_embedder(y)
-        branch = gate = None  # the residual stream is h + gate * branch (see DiTBlock)
+        # h goes from block to block and on to the final layer as each returns it: a plain block returns a tensor,
+        # a converted one may hand its residual stream on in parts (torchtitan/kernels/dit_modules.py).
         for block in self.blocks.values():
-            h, branch, gate = block(h, c, rope, self.block_mask, branch, gate)
-        h = self.final_layer(h, c, branch, gate)  # (B, T, p*p*C_out)
+            h = block(h, c, rope, self.block_mask)
+        h = self.final_layer(h, c)  # (B, T, p*p*C_out)
         return self.unpatchify(h)
 
 

@@ -1,4 +1,4 @@
-"""Triton where it is installed: the kernels of dp/ and models/dit/ import it from here.
+"""Triton where it is installed: the kernels of dp/ and kernels/ import it from here.
 
 Triton is optional (CPU-only installs run the torch paths). Kernels run on CUDA tensors, and on CPU tensors when
 Triton runs in its interpreter (tests): TRITON_INTERPRET=1 must be set before triton is first imported, because
@@ -30,8 +30,13 @@ def triton_interpreting() -> bool:
     return _INTERPRETING
 
 
+def triton_runs(x) -> bool:
+    """Whether Triton kernels can run on tensor x: CUDA tensors, or CPU ones in the interpreter (tests)."""
+    return triton is not None and (x.is_cuda or _INTERPRETING)
+
+
 def kernel_path_applies(x, linear) -> bool:
-    """Whether a model's fused kernel path may stand in for the module call `linear(x)`.
+    """Whether a converted module's kernel path may stand in for the module call `linear(x)`.
 
     Triton must run for x (CUDA tensors, or CPU ones in the interpreter), and `linear` must be a plain nn.Linear
     with a bias that nothing hooks: the kernel paths call its weight and bias, not the module, and DP-SGD's
@@ -41,7 +46,7 @@ def kernel_path_applies(x, linear) -> bool:
 
     plain = (type(linear) is nn.Linear and linear.bias is not None and not linear._forward_hooks
              and not linear._forward_pre_hooks)  # fmt: skip
-    return triton is not None and plain and (x.is_cuda or _INTERPRETING)
+    return plain and triton_runs(x)
 
 
 def autocast_dtype(x):

@@ -12,8 +12,8 @@ forward reads x and branch once and the backward reads each of its four (B, T, D
 row in registers, and walks a run of one sample's tokens adding the shift, scale and gate gradients up as it goes
 (partial sums per run, added in torch: deterministic, no atomics).
 
-`modulated_norm` runs the kernels on CUDA tensors and the same maths in torch elsewhere; tests also run the kernels
-on CPU tensors in Triton's interpreter (`modulated_norm_triton`).
+`modulated_norm` runs the kernels where Triton runs (CUDA tensors, or CPU ones in Triton's interpreter: tests) and the
+same maths in torch elsewhere. The converter `fused_norm` (kernels/dit_modules.py) puts it in a DiT's blocks.
 """
 
 import torch
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.library import triton_op
 
-from torchtitan.tools.triton_support import tl, triton, wrap_triton
+from torchtitan.kernels.triton_support import tl, triton, triton_runs, wrap_triton
 
 # A row stays in registers; past this width the torch path runs instead.
 MAX_FUSED_DIM = 8192
@@ -29,7 +29,7 @@ MAX_FUSED_DIM = 8192
 # the tokens of one sample a backward program walks (its shift/scale/gate partial sums cover them), and how many
 # of those rows it loads at once. scripts/benchmark_adaln_norm.py compares settings; on an H100, 32 rows two at a
 # time were the fastest measured: the backward 11% faster than 16 rows one at a time at DiT-XL/2's (128, 256, 1152),
-# 9% at the 0.5B's (32, 1024, 1280) (docs/benchmarks.md, 2026-11-24 evening).
+# 9% at the 0.5B's (32, 1024, 1280) (docs/benchmark_log.md, 2026-11-24 late evening).
 LAUNCH = {"fwd_warps": 0, "bwd_warps": 0, "bwd_rows": 32, "bwd_tile": 2}
 
 
@@ -42,7 +42,7 @@ def modulated_norm_torch(x, shift, scale, branch, gate, kind: str, eps: float):
 
 
 def modulated_norm(x, shift, scale, branch=None, gate=None, *, kind: str = "layernorm", eps: float = 1e-6,
-                   fused: bool = True, save_output: bool = False):  # fmt: skip
+                   save_output: bool = False):  # fmt: skip
     """x' = x + gate * branch, h = norm(x') * (1 + scale) + shift.
 
     Args:
@@ -50,7 +50,6 @@ def modulated_norm(x, shift, scale, branch=None, gate=None, *, kind: str = "laye
         shift, scale: (B, D) modulation of this norm.
         branch, gate: (B, T, D) and (B, D), the previous branch's output and gate; None for a plain norm.
         kind: "layernorm" or "rmsnorm", neither with affine weights.
-        fused: run the Triton kernels on CUDA tensors (rows up to MAX_FUSED_DIM wide); torch otherwise.
         save_output: the kernels keep x' for backward instead of x (and do not recompute x'): right where nothing
             else keeps x but the next norm keeps x' (a block's norm1, handed the previous block's residual apart).
 
@@ -59,7 +58,8 @@ def modulated_norm(x, shift, scale, branch=None, gate=None, *, kind: str = "laye
         the kernels, and in float32 from the torch path under autocast (LayerNorm's autocast policy), which the
         next Linear casts to bf16 alike.
     """
-    if fused and triton is not None and x.is_cuda and x.shape[-1] <= MAX_FUSED_DIM:
+    # The Triton kernels where they run (rows up to MAX_FUSED_DIM wide); torch otherwise.
+    if triton_runs(x) and x.shape[-1] <= MAX_FUSED_DIM:
         return modulated_norm_triton(x, shift, scale, branch, gate, kind, eps, save_output)
     return modulated_norm_torch(x, shift, scale, branch, gate, kind, eps)
 
@@ -193,7 +193,7 @@ if triton is not None:
         has_res, has_dout = branch is not None, grad_x_new is not None
         rows, tile = LAUNCH["bwd_rows"], LAUNCH["bwd_tile"]
         if rows % tile:
-            raise ValueError(f"adaln_norm.LAUNCH: bwd_rows {rows} is not a multiple of bwd_tile {tile}")
+            raise ValueError(f"kernels.adaln_norm.LAUNCH: bwd_rows {rows} is not a multiple of bwd_tile {tile}")
         num_runs = triton.cdiv(T, rows)
         grad_x = torch.empty_like(x)
         grad_branch = torch.empty_like(x) if has_res else x.new_empty(0)

@@ -11,8 +11,8 @@ backward receives the three gradients, and
 is one Triton kernel (the sums over runs of rows, added in torch: deterministic, no atomics), followed by the
 Linear's two GEMMs. The forward is the Linear as before: one GEMM with the bias added in its epilogue.
 
-`kernel_path_applies` (triton_support) says where the model takes this path; tests run the kernel on CPU tensors in
-Triton's interpreter.
+The converter `fused_qkv` (kernels/dit_modules.py) puts this in a DiT's attention, where `kernel_path_applies`
+(triton_support) allows; tests run the kernel on CPU tensors in Triton's interpreter.
 """
 
 import torch
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.library import triton_op
 
-from torchtitan.tools.triton_support import autocast_dtype, tl, triton, wrap_triton
+from torchtitan.kernels.triton_support import autocast_dtype, tl, triton, wrap_triton
 
 # Launch settings: columns per program, rows per load, rows a program walks (its bias partial sums cover them), warps.
 LAUNCH = {"block_n": 128, "block_m": 64, "rows": 256, "num_warps": 4}
@@ -32,7 +32,7 @@ def qkv_linear(x: Tensor, weight: Tensor, bias: Tensor, num_heads: int) -> tuple
 
 
 def qkv_linear_torch(x: Tensor, weight: Tensor, bias: Tensor, num_heads: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The reference maths (and the model's module path): the same split of F.linear's output."""
+    """The reference maths (and the plain Attention's): the same split of F.linear's output."""
     B, T, D = x.shape
     return F.linear(x, weight, bias).view(B, T, 3, num_heads, D // num_heads).unbind(2)
 
@@ -100,7 +100,7 @@ if triton is not None:
         m, d = grad_q.shape
         block_m, block_n, rows = LAUNCH["block_m"], LAUNCH["block_n"], LAUNCH["rows"]
         if rows % block_m:
-            raise ValueError(f"qkv_projection.LAUNCH: rows {rows} is not a multiple of block_m {block_m}")
+            raise ValueError(f"kernels.qkv.LAUNCH: rows {rows} is not a multiple of block_m {block_m}")
         grads = [g if g.stride(1) == 1 else g.contiguous() for g in (grad_q, grad_k, grad_v)]
         num_runs = triton.cdiv(m, rows)
         out = grad_q.new_empty((m, 3 * d))

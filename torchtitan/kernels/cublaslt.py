@@ -9,7 +9,7 @@ PyTorch exposes cuBLASLt's bias + GELU epilogue only without the auxiliary outpu
 apply the activation, or its derivative, while the GEMM stores its tiles, instead of a second pass over the
 (tokens, hidden) activations. cuBLAS's GELU is the tanh approximation (DiT's). The library is the one torch loaded;
 nothing is built. DGELU_BGRAD, which would also sum the bias gradient, is not used: on an H100 cuBLASLt ran that sum
-as a separate kernel, slower than the GEMM (benchmarks.md, 2026-11-24, night).
+as a separate kernel, slower than the GEMM (docs/benchmark_log.md, 2026-11-24, night).
 
 Row-major (M, N) = x (M, K) w^T is, to column-major cuBLAS, D (N, M) = op(w) (N, K) x^T (K, M) with op = transpose:
 the epilogue's bias has one value per row of D, i.e. per output feature. Row-major g (M, K) w (K, N) is

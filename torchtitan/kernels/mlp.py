@@ -11,12 +11,12 @@ bias, and
 is one kernel; its backward writes the gradient of pre and, in the same pass, sums of it over runs of rows
 (added in torch: deterministic, no atomics), the bias gradient.
 
-`kernel_path_applies(x, fc1)` (triton_support) says where the model takes this path; tests run the kernels on CPU
-tensors in Triton's interpreter.
+The converter `fused_mlp` (kernels/dit_modules.py) puts these in a DiT's MLPs, where `kernel_path_applies(x, fc1)`
+(triton_support) allows; tests run the kernels on CPU tensors in Triton's interpreter.
 
 On CUDA in bf16 or fp16, GELU goes one step further (`gelu_mlp`, the whole MLP as one op): fc1's GEMM adds the
 bias and applies GELU in its epilogue, writing pre + bias beside h for backward, and in backward fc2's input-gradient
-GEMM multiplies by GELU's derivative in its epilogue (cuBLASLt, torchtitan/tools/cublaslt.py), so no pass over the
+GEMM multiplies by GELU's derivative in its epilogue (cuBLASLt, torchtitan/kernels/cublaslt.py), so no pass over the
 hidden activations is left but fc1's bias gradient, a sum over rows.
 """
 
@@ -25,21 +25,21 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.library import triton_op
 
-from torchtitan.tools.cublaslt import gelu_aux_bias, matmul_dgelu
-from torchtitan.tools.triton_support import autocast_dtype, tl, triton, wrap_triton
+from torchtitan.kernels.cublaslt import gelu_aux_bias, matmul_dgelu
+from torchtitan.kernels.triton_support import autocast_dtype, tl, triton, wrap_triton
 
 ACTIVATIONS = ("gelu", "swiglu")
 # Launch settings, forward and backward (bwd_*): columns per program, rows per load, warps, and the rows a backward
 # program walks (its bias partial sums cover them; (B*T / bwd_rows, H) float32 partials).
 # The backward's small tiles and 2 warps: 12% faster than the forward's settings at DiT-XL/2's width, 10% at the
-# 0.5B's (benchmarks.md, 2026-11-24 evening).
+# 0.5B's (docs/benchmark_log.md, 2026-11-24 late evening).
 LAUNCH = {"block_n": 128, "block_m": 32, "warps": 4, "bwd_block_n": 128, "bwd_block_m": 16, "bwd_warps": 2,
           "bwd_rows": 128}  # fmt: skip
 # `gelu_mlp`'s two weight gradients, each a sum over every token: the tokens split into this many equal blocks, one
 # batched GEMM with a float32 result per block, then added (1 or a count that does not divide the tokens: one GEMM).
 # A (4608, 1152) result has too few tiles to fill an H100 well; four blocks of tokens run as one launch do. At
 # DiT-XL/2's batch 224 on an H100, 4 blocks were 1.2-1.5% faster a step than one GEMM, 2 and 8 slower or level
-# (docs/benchmarks.md, 2026-11-25 morning).
+# (docs/benchmark_log.md, 2026-11-25 morning).
 WGRAD_SPLITS = 4
 
 
@@ -216,7 +216,7 @@ if triton is not None:
         n_in, n_out, m = _widths(pre, swiglu)
         block_m, block_n, rows = LAUNCH["bwd_block_m"], LAUNCH["bwd_block_n"], LAUNCH["bwd_rows"]
         if rows % block_m:
-            raise ValueError(f"mlp_activation.LAUNCH: bwd_rows {rows} is not a multiple of bwd_block_m {block_m}")
+            raise ValueError(f"kernels.mlp.LAUNCH: bwd_rows {rows} is not a multiple of bwd_block_m {block_m}")
         num_runs = triton.cdiv(m, rows)
         grad_pre = torch.empty_like(pre)
         partial = pre.new_empty((num_runs, n_in), dtype=torch.float32)

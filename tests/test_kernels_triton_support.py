@@ -1,11 +1,11 @@
-"""Where the models' fused kernel paths may stand in for a Linear's module call."""
+"""Where the converted modules' kernel paths may stand in for a Linear's module call."""
 
 import pytest
 import torch
 from torch import nn
 
-from torchtitan.tools import triton_support
-from torchtitan.tools.triton_support import kernel_path_applies, triton_interpreting
+from torchtitan.kernels import triton_support
+from torchtitan.kernels.triton_support import kernel_path_applies, triton_interpreting
 
 pytestmark = pytest.mark.skipif(triton_support.triton is None, reason="triton is not installed")
 

@@ -1,0 +1,58 @@
+"""What the scripts share: one run type, one launcher, one warm-step summary, one batch search, one results table.
+
+The run type (`Run`), the launcher that records how a run ended (`launch`, `launch_command`: ok / OOM / failed /
+timeout) and the median of warm step times (`warm_summary`) live in the package (torchtitan/tools/runs.py),
+because the trainer's max-batch finder launches runs too. This package adds what only the scripts need:
+- runner.py: `train_command` (python train.py or torchrun, the run folder, the run's arguments with the user's
+  extras last) and `execute` (runs it through `launch_command` and tee.py, writes train.log and status.json,
+  skips runs already ok), `parse_script_args` (its options, and the train.py flags passed through),
+  `parallelism` (replicate/shard degrees -> "single"/"ddp"/"fsdp"/"hsdp", the trainer's names);
+- summary.py: `warm_metrics`, the medians of a run folder's warm steps and its peak memory;
+- batch_search.py: `batch_probe`, `search` and `find_max_batch`, the package's finder over executed runs;
+- here: cases written on a command line (`parse_case`) and the table scripts/benchmark.py prints;
+- ablation_grid.sh: the shell side of the ablation grids, whose variables scripts/run_ablations_*.sh set.
+The ablation grids, the DP suites and the attention lab build their runs as `Run`s and use nothing else.
+"""
+
+import shlex
+
+from scripts.lib.batch_search import batch_probe, device_memory_gib, find_max_batch, search
+from scripts.lib.runner import (
+    already_done,
+    execute,
+    parallelism,
+    parse_script_args,
+    read_status,
+    train_command,
+    words,
+    write_status,
+)
+from scripts.lib.summary import GIB, read_jsonl, warm_metrics
+from torchtitan.tools.runs import Run, RunResult, launch, launch_command, warm_summary
+
+__all__ = ["GIB", "Run", "RunResult", "already_done", "batch_probe", "device_memory_gib", "execute",
+           "find_max_batch", "launch", "launch_command", "parallelism", "parse_case", "parse_script_args",
+           "read_jsonl", "read_status", "result_table", "search", "train_command", "warm_metrics", "warm_summary",
+           "words", "write_status"]  # fmt: skip
+
+
+def parse_case(text: str, config: str, nproc: int = 1) -> Run:
+    """ "NAME=train.py flags" -> a Run of that config (flags after the config file, so they win)."""
+    name, _, overrides = text.partition("=")
+    return Run(name or "default", ["--job.config_file", config, *shlex.split(overrides)], nproc)
+
+
+def result_table(results: list[dict]) -> str:
+    """A markdown table of measured runs: batch, images/s, TFLOP/s, MFU, peak memory, median step time."""
+    header = "| case | batch | images/s | TFLOP/s | MFU % | peak mem GiB | step ms |\n|---|---|---|---|---|---|---|"
+    rows = [header]
+    for r in results:
+        if r["status"] != "ok":
+            rows.append(f"| {r['name']} | | {r['status']} | | | | |")
+            continue
+        tflops = f"{r['tflops']:.1f}" if "tflops" in r else "n/a"
+        mfu = f"{r['mfu']:.1f}" if "mfu" in r else "n/a"
+        mem = f"{r['memory_peak_active_gib']:.1f}" if "memory_peak_active_gib" in r else "n/a"
+        rows.append(f"| {r['name']} | {r['global_batch']} | {r['images_per_second']:.1f} | {tflops} | {mfu} | "
+                    f"{mem} | {1000 * r['step_time_s']:.1f} |")  # fmt: skip
+    return "\n".join(rows)

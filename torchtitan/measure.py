@@ -1,0 +1,162 @@
+"""Measure the trainer's own step: warm step time, images/s, MFU and memory, or the memory breakdown by stage.
+
+    python -m torchtitan.measure [--warmup 3 --steps 10 --profile] -- --job.config_file X.toml [--key value ...]
+    python -m torchtitan.measure --memory-breakdown [--forward-only] [--steps 2] -- --job.config_file X.toml
+
+Builds the Trainer in this process from train.py's arguments, with the `dummy` dataset, no checkpoints, no samples
+and no TensorBoard (a run folder of its own unless `--job.dump_folder` is given), and drives `Trainer.train_step()`:
+warm-up steps (compilation, autotuning), then timed steps, each timed to a device sync; the result is the median
+step time through the trainer's `ThroughputMeter.rates` (the one MFU formula). Rank 0 prints one line
+`MEASURE_RESULT {json}`, which `torchtitan.tools.runs.launch` reads: scripts/benchmark.py, the max-batch finder and
+the script grids run this module in fresh processes.
+"""
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+from torchtitan.config_manager import parse_args
+from torchtitan.tools.logging import init_logger
+from torchtitan.tools.runs import RESULT_PREFIX, warm_summary
+from torchtitan.tools.utils import peak_memory_gib
+from torchtitan.trainer import Trainer
+
+MEASURE_OVERRIDES = ["--training.dataset", "dummy", "--checkpoint.enable", "false", "--sampling.freq", "0",
+                     "--metrics.enable_tensorboard", "false", "--metrics.enable_wandb", "false"]  # fmt: skip
+
+
+@contextlib.contextmanager
+def measuring_trainer(train_args: list[str]):
+    """A Trainer for measurement (see the module docstring), closed on exit."""
+    with tempfile.TemporaryDirectory(prefix="measure_") as tmp:
+        own_folder = not any(a.split("=")[0] == "--job.dump_folder" for a in train_args)
+        folder = ["--job.dump_folder", tmp] if own_folder else []
+        trainer = Trainer(parse_args([*folder, *train_args, *MEASURE_OVERRIDES]))
+        try:
+            yield trainer
+        finally:
+            trainer.close()
+
+
+def _sync(trainer: Trainer) -> None:
+    if trainer.device.type == "cuda":
+        torch.cuda.synchronize(trainer.device)
+
+
+def measure_steps(train_args: list[str], warmup: int = 3, steps: int = 10, profile: bool = False) -> dict:
+    """Warm step time of the trainer's `train_step()`, and what it means (images/s, TFLOP/s, MFU), peak memory
+    over the timed steps, the last loss."""
+    with measuring_trainer(train_args) as trainer:
+        start = time.perf_counter()
+        for _ in range(warmup):
+            trainer.train_step()
+        _sync(trainer)
+        warmup_s = time.perf_counter() - start
+        trainer.meter.reset()  # peak memory from here
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            out = trainer.train_step()
+            _sync(trainer)
+            times.append(time.perf_counter() - start)
+        summary = warm_summary(times)
+        loss = out["loss_sum"].item() * trainer.dp_degree / trainer.global_batch  # this rank's mean
+        result = {"global_batch": trainer.global_batch, **trainer.meter.rates(summary["step_time_s"]), **summary,
+                  "warmup_s": warmup_s, "loss": loss, "gflop_per_image": trainer.meter.flops_per_image / 1e9,
+                  **peak_memory_gib(trainer.device)}  # fmt: skip
+        if trainer.device.type == "cuda":
+            result["device"] = torch.cuda.get_device_name(trainer.device)
+        if trainer.private is not None:
+            result.update(trainer.private.metrics())
+        if profile and trainer.device.type == "cuda":
+            print_profile(trainer)
+        return result
+
+
+def print_profile(trainer: Trainer, steps: int = 3) -> None:
+    """The top CUDA kernels of a few warm steps, and where the GPU waited between them."""
+    from torchtitan.components.profiling import idle_gaps, kernel_summary
+
+    _sync(trainer)
+    start = time.perf_counter()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            trainer.train_step()
+        _sync(trainer)
+    print(kernel_summary(prof, steps, 1000 * (time.perf_counter() - start) / steps), flush=True)
+    print(idle_gaps(prof, steps), flush=True)
+
+
+def measure_breakdown(train_args: list[str], forward_only: bool = False, steps: int = 2, out=None) -> dict:
+    """The memory breakdown of `steps` steps of the trainer, by stage (torchtitan/tools/memory_breakdown.py).
+
+    Args:
+        train_args: train.py arguments, e.g. ["--job.config_file", "train_configs/debug_model.toml"].
+        forward_only: the trainer's forward under torch.no_grad, no backward or optimizer step (inference memory).
+        steps: steps to record (the optimizer states appear in the first, the steady state in the second).
+        out: folder for the JSON and PNG; defaults to the run folder (job.dump_folder).
+
+    Returns:
+        {"device", "forward_only", "records": [...], "json": path, "png": path} (paths on rank 0 only).
+    """
+    from torchtitan.tools.memory_breakdown import MemoryBreakdownObserver
+
+    with measuring_trainer(train_args) as trainer:
+        cfg = trainer.job_config
+        if trainer.device.type != "cuda" and cfg.compile.enable:
+            from torchtitan.tools.logging import logger
+
+            logger.warning("memory breakdown on CPU follows eager ops: compiled blocks may hide their tensors")
+        observer = MemoryBreakdownObserver.for_trainer(trainer, steps, out)
+        mode = "forward only (no_grad)" if forward_only else "training"
+        title = f"{cfg.model.flavor}, batch {cfg.training.local_batch_size}, {mode}, {trainer.device.type}"
+        trainer.observers = [] if forward_only else [observer]
+        for step in range(1, steps + 1):
+            if forward_only:  # the trainer's forward, without its backward
+                x, y, _ = trainer.next_batch()
+                with torch.no_grad(), observer.track(step):
+                    trainer.forward_losses(x, y, trainer.step, 0)
+                observer.stage("forward", step)
+            else:
+                trainer.train_step()
+        name = "memory_breakdown_forward" if forward_only else "memory_breakdown"
+        written = observer.written if not forward_only else observer.write(name, title)
+        result = {"device": trainer.device.type, "forward_only": forward_only, "records": observer.breakdown.records}
+        if trainer.rank == 0 and written:
+            result.update(json=str(written[0]), png=str(written[1]))
+        return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--warmup", type=int, default=3, help="steps before timing (compilation, autotuning)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps (recorded steps with --memory-breakdown)")
+    parser.add_argument("--profile", action="store_true", help="also print the top CUDA kernels of 3 steps")
+    parser.add_argument("--memory-breakdown", action="store_true", help="record memory by stage instead of timing")
+    parser.add_argument("--forward-only", action="store_true", help="with --memory-breakdown: forward under no_grad")
+    parser.add_argument("--out", default="", help="with --memory-breakdown: output folder (default: run folder)")
+    argv = sys.argv[1:] if argv is None else argv
+    ours, train_args = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    args = parser.parse_args(ours)
+    init_logger()
+    if args.memory_breakdown:
+        result = measure_breakdown(train_args, args.forward_only, args.steps, args.out or None)
+        if int(os.environ.get("RANK", "0")) == 0:
+            from torchtitan.tools.memory_breakdown import format_records
+
+            print(format_records(result["records"]))
+    else:
+        result = measure_steps(train_args, args.warmup, args.steps, args.profile)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(RESULT_PREFIX + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""Fresh-process runs of the trainer's step: one run type, one launcher, one warm-step summary.
+
+Each run is a new process (one OOM cannot poison the next), `python -m torchtitan.measure` with train.py's
+arguments (through torchrun for several processes). The launcher records how it ended: "ok", "OOM" (torch's CUDA
+out-of-memory error, nothing else), "timeout" or "failed (exit code)". The max-batch finder, scripts/benchmark.py,
+the ablation grids, the DP suites and the attention lab all launch their runs here (scripts/lib adds what only the
+scripts need).
+"""
+
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULT_PREFIX = "MEASURE_RESULT "
+# Under torchrun these describe the parent's process group; a launched run is a world of its own.
+TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
+                 "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE")  # fmt: skip
+
+
+@dataclass
+class Run:
+    """One run: a name, train.py arguments, processes, extra environment, and the knobs a script records with it
+    (a grid point's settings, which scripts/lib writes into the run's status.json for the script's summary)."""
+
+    name: str
+    args: list[str]
+    nproc: int = 1
+    env: dict[str, str] = field(default_factory=dict)
+    knobs: dict = field(default_factory=dict)
+
+
+@dataclass
+class RunResult:
+    """How a run ended and what it measured (`torchtitan.measure`'s result; empty unless "ok")."""
+
+    name: str
+    status: str
+    result: dict = field(default_factory=dict)
+    output: str = ""  # the end of stdout + stderr, for a failed run's report
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+def ran_out_of_memory(output: str) -> bool:
+    """Whether a failed run's output shows torch's CUDA out-of-memory error. Not Triton's "out of resource"
+    (shared memory of a GEMM config), which Inductor's autotuning logs as an `OutOfMemoryError` and survives."""
+    return "CUDA out of memory" in output
+
+
+def status_of(returncode: int, output: str) -> str:
+    if returncode == 0:
+        return "ok"
+    return "OOM" if ran_out_of_memory(output) else f"failed ({returncode})"
+
+
+def launcher(nproc: int) -> list[str]:
+    """How a run's processes start: this Python, through torchrun (standalone) for several."""
+    if nproc > 1:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return [sys.executable]
+
+
+def command(run: Run, measure_args: list[str], module: str = "torchtitan.measure") -> list[str]:
+    """The command line of a run: `python -m MODULE MEASURE_ARGS -- TRAIN_ARGS` (torchrun for nproc > 1)."""
+    return [*launcher(run.nproc), "-m", module, *measure_args, "--", *run.args]
+
+
+def launch(run: Run, warmup: int = 3, steps: int = 10, timeout: float | None = None, profile: bool = False,
+           cwd: Path = ROOT) -> RunResult:  # fmt: skip
+    """Runs `torchtitan.measure` for one run in a fresh process: `warmup` steps, then `steps` timed ones."""
+    measure_args = ["--warmup", str(warmup), "--steps", str(steps), *(["--profile"] if profile else [])]
+    return launch_command(run, command(run, measure_args), timeout, cwd)
+
+
+def launch_command(run: Run, cmd: list[str], timeout: float | None = None, cwd: Path = ROOT) -> RunResult:
+    """Runs a command for `run`, reading the last result line it printed; the status says how it ended."""
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
+    env.update({"PYTHONUNBUFFERED": "1", **run.env})
+    try:
+        proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        output = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        return RunResult(run.name, "timeout", output=output[-4000:])
+    output = proc.stdout + proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    status = status_of(proc.returncode, output)
+    if status == "ok" and not lines:
+        status = "failed (no result)"
+    result = json.loads(lines[-1][len(RESULT_PREFIX) :]) if lines and status == "ok" else {}
+    return RunResult(run.name, status, result, output[-4000:])
+
+
+def warm_summary(step_times_s: list[float]) -> dict:
+    """The warm steps' median step time (robust to a stray slow step) and its spread."""
+    return {"step_time_s": statistics.median(step_times_s), "step_time_min_s": min(step_times_s),
+            "step_time_max_s": max(step_times_s), "timed_steps": len(step_times_s)}  # fmt: skip
+
+
+def shell_words(text: str) -> list[str]:
+    """train.py arguments written as one shell string (a case's overrides)."""
+    return shlex.split(text)

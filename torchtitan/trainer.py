@@ -1,0 +1,381 @@
+"""The Trainer: builds everything from a JobConfig in a fixed order, and takes training steps.
+
+`forward_backward(batch)` is one micro-batch's forward and backward; `train_step()` one optimizer step over the
+micro-batches; `train()` the loop (logging, checkpoints, samples). train.py, scripts/benchmark.py
+(`torchtitan.measure`), the memory breakdown and the max-batch finder all drive this one step.
+
+Observers see the step's stages (the memory breakdown is one): each has `track(step)`, a context around forward
+and backward, and `stage(name, step)`, called after "forward", "backward", "optimizer_step" and "zero_grad"; steps
+count from 1, as the metrics log them.
+"""
+
+import contextlib
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.ema import EMA
+from torchtitan.components.lr_scheduler import build_lr_scheduler
+from torchtitan.components.metrics import MetricsLogger, ThroughputMeter
+from torchtitan.components.optimizer import apply_configured_hyperparameters, build_optimizer
+from torchtitan.components.profiling import Profiler
+from torchtitan.components.run_lock import acquire_run_lock
+from torchtitan.components.sampling import SampleWriter
+from torchtitan.config_manager import ConfigError, JobConfig, check_batch_sizes, to_toml
+from torchtitan.config_validation import at, validate_layout
+from torchtitan.datasets import build_dataloader
+from torchtitan.diffusion import build_diffusion
+from torchtitan.dp.training import PrivateTraining
+from torchtitan.parallelisms.parallel_dims import ParallelDims
+from torchtitan.parallelisms.utils import full_tensor_random_init, torch_dtype
+from torchtitan.tools.batch_size_finder import resolve_local_batch_size
+from torchtitan.tools.logging import logger
+from torchtitan.tools.utils import GarbageCollection, get_device, set_determinism, settle_sdpa_priority
+from torchtitan.train_spec import build_model_args, get_train_spec
+
+SDPA_BACKENDS = {
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "math": SDPBackend.MATH,
+}
+STAGES = ("forward", "backward", "optimizer_step", "zero_grad")
+
+
+def init_distributed(device: torch.device, world_size: int) -> None:
+    """Joins the process group (torchrun's env); a single process gets a 1-rank group of its own."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if world_size == 1 and "MASTER_ADDR" not in os.environ:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        dist.init_process_group(backend)
+
+
+class NonFiniteStepError(RuntimeError):
+    """A step's loss or gradient norm is NaN or inf; the run stops before applying it."""
+
+
+class Trainer:
+    """Holds what the loop needs; `__init__` builds it all in a fixed order."""
+
+    def __init__(self, job_config: JobConfig):
+        self.job_config = cfg = job_config
+        self.device = get_device()
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self._build_layout()
+        self.dump_folder = Path(cfg.job.dump_folder)
+        self.run_lock = acquire_run_lock(self.dump_folder, self.rank)  # before anything reads or writes the folder
+        if self.device.type == "cpu" and cfg.training.mixed_precision_param != "float32":
+            cfg.training.mixed_precision_param = "float32"  # bf16 matmuls on CPU are slow and not what GPUs do
+            logger.info("CPU run: training.mixed_precision_param set to float32")
+        set_determinism(cfg.debug.seed, cfg.debug.deterministic)
+        self.gc = GarbageCollection(cfg.training.gc_freq)
+        self.augmult = cfg.dp.augmult if cfg.dp.enable else 1
+        self.train_spec = get_train_spec(cfg.model.name)
+        self.model_args = build_model_args(self.train_spec, cfg.model)
+        self.model = self.build_model()
+        self.diffusion = build_diffusion(cfg.diffusion, self.model_args.learn_sigma)
+        poisson_steps = cfg.training.steps if cfg.dp.enable and cfg.dp.sampling == "poisson" else 0
+        try:
+            self.dataloader = build_dataloader(cfg.training, self.model_args, self.dp_rank, self.dp_degree,
+                                               cfg.debug.seed, poisson_steps, cfg.latent)  # fmt: skip
+        except (FileNotFoundError, ValueError) as e:  # the data the config names is missing or does not fit it
+            raise ConfigError(f"{at(cfg, 'training.dataset')}: {e}") from e
+        self.private = None
+        if cfg.dp.enable:
+            self.private = PrivateTraining(cfg.dp, self.model, len(self.dataloader.dataset), self.global_batch,
+                                           cfg.training.steps, self.parallel_dims.mesh, cfg.debug.seed)  # fmt: skip
+        self._build_training_state()
+        self.metrics = MetricsLogger(cfg, self.dump_folder, self.rank)
+        self.samples = SampleWriter(cfg, self.model_args, self.diffusion, self.device, self.rank, self.dump_folder,
+                                    self.metrics)  # fmt: skip
+        self.samples.check()
+        # An image costs K forward/backward passes with augmult: MFU counts them, images/s counts images.
+        flops = self.train_spec.flops_per_image_fn(self.model_args) * self.augmult
+        self.meter = ThroughputMeter(self.device, flops, self.global_batch, self.world_size)
+        self.profiler = Profiler(cfg.profiling, self.dump_folder, self.rank, self.device)
+        self.observers = []
+        if cfg.profiling.enable_memory_breakdown:
+            from torchtitan.tools.memory_breakdown import MemoryBreakdownObserver
+
+            self.observers.append(MemoryBreakdownObserver.for_trainer(self, cfg.profiling.memory_breakdown_steps))
+        self.autocast = self.device.type == "cuda" and not self.parallel_dims.fsdp_enabled
+        self.autocast = self.autocast and cfg.training.mixed_precision_param == "bfloat16"
+        settle_sdpa_priority(self.device)  # before any priority of ours: PyTorch's first call would override it
+        self.sdpa_backends = [SDPA_BACKENDS[name] for name in cfg.model.sdpa_backends]
+        logger.info(f"attention: SDPA backends in priority order {cfg.model.sdpa_backends}")
+        self.write_config()
+        logger.info(
+            f"{cfg.model.flavor}: {sum(p.numel() for p in self.model.parameters()):,} parameters, "
+            f"{flops / 1e9:.2f} GFLOP/image (train), {self.parallel_dims.mode} over {self.world_size} rank(s), "
+            f"global batch {self.global_batch} = {cfg.training.local_batch_size} x {self.dp_degree} "
+            f"x {self.grad_accum_steps} accumulation, device {self.device}"
+        )
+
+    def _build_layout(self) -> None:
+        """Data-parallel degrees, the process group and mesh, and the batch sizes (with "auto" resolved)."""
+        cfg = self.job_config
+        validate_layout(cfg, self.world_size, self.device.type)
+        p = cfg.parallelism
+        self.parallel_dims = ParallelDims(p.data_parallel_replicate_degree, p.data_parallel_shard_degree,
+                                          self.world_size, p.fsdp_single_device)  # fmt: skip
+        if self.parallel_dims.fsdp_enabled or self.world_size > 1:
+            init_distributed(self.device, self.world_size)
+        self.parallel_dims.build_mesh(self.device.type)
+        self.dp_rank, self.dp_degree = self.parallel_dims.dp_rank(), self.parallel_dims.dp_degree
+        # "auto" becomes a number before the model and data exist (one process: fresh-process probes).
+        cfg.training.local_batch_size = resolve_local_batch_size(cfg, self.world_size, self.dp_degree,
+                                                                 self.device.type)  # fmt: skip
+        self.grad_accum_steps = check_batch_sizes(cfg, self.dp_degree)
+        self.global_batch = cfg.training.local_batch_size * self.dp_degree * self.grad_accum_steps
+
+    def _build_training_state(self) -> None:
+        """Optimizer, LR schedule, EMA and checkpoints; resumes from the newest loadable checkpoint."""
+        cfg = self.job_config
+        self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
+        self.ema = EMA(self.model, cfg.training.ema_decay, cfg.training.ema_warmup) if cfg.training.ema_decay else None
+        extra = {"dp": self.private} if self.private else None
+        self.checkpointer = CheckpointManager(cfg.checkpoint, self.dump_folder, self.model, self.optimizer,
+                                              self.lr_scheduler, self.ema, self.dataloader, self.rank,
+                                              self.world_size, extra)  # fmt: skip
+        self.step = self.checkpointer.maybe_load()
+        if self.step > 0:  # the config's optimizer settings win over the checkpoint's
+            for change in apply_configured_hyperparameters(self.optimizer, self.lr_scheduler, cfg.optimizer):
+                logger.warning(f"resumed with a changed config: {change}")
+
+    def build_model(self) -> torch.nn.Module:
+        """Meta-device build, parallelize, then materialize and init_weights() on the device (sharded)."""
+        with torch.device("meta"):
+            model = self.train_spec.model_cls(self.model_args)
+        model = self.train_spec.parallelize_fn(model, self.parallel_dims, self.job_config)
+        model.to_empty(device=self.device)
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            torch.manual_seed(self.job_config.debug.seed)
+            with full_tensor_random_init():  # the same weights as one process, whatever the layout
+                model.init_weights()
+        model.train()
+        return model
+
+    def write_config(self) -> None:
+        name = self.job_config.job.save_config_file
+        if self.rank == 0 and name:
+            self.dump_folder.mkdir(parents=True, exist_ok=True)
+            (self.dump_folder / name).write_text(to_toml(self.job_config))
+        if self.job_config.job.print_config:
+            logger.info("resolved config:\n" + to_toml(self.job_config))
+
+    def step_randomness(self, step: int, micro: int, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Timesteps, noise and label-drop mask of this rank's samples for one micro-batch, K = augmult
+        draws per sample (its rows consecutive): (batch K,), (batch K, C, H, W), (batch K,).
+
+        Drawn for the whole global micro-batch from a generator seeded by (seed, step), then sliced
+        by rank in the sampler's interleaved order, so a sample gets the same noise whatever the
+        number of ranks: 1 process and N processes at the same global batch see the same losses.
+        """
+        shape = (self.model_args.in_channels, self.model_args.input_size, self.model_args.input_size)
+        generator = torch.Generator(self.device).manual_seed(self.job_config.debug.seed * 1_000_003 + step)
+        world_micro, k = batch * self.dp_degree, self.augmult
+        total = world_micro * self.grad_accum_steps
+        t = self.diffusion.sample_timesteps(total * k, self.device, generator).view(total, k)
+        noise = torch.randn((total, k, *shape), device=self.device, generator=generator)
+        drop = torch.rand(total * k, device=self.device, generator=generator).view(total, k)
+        drop = drop < self.job_config.diffusion.class_dropout_prob
+        window = slice(micro * world_micro, (micro + 1) * world_micro)
+
+        def mine(draws: torch.Tensor) -> torch.Tensor:  # this rank's samples of this micro-batch
+            return draws[window][self.dp_rank :: self.dp_degree].flatten(0, 1)
+
+        return mine(t), mine(noise), mine(drop)
+
+    def forward_losses(self, x: torch.Tensor, y: torch.Tensor, step: int, micro: int):
+        """Per-sample losses (B,), or (B, K) with dp.augmult K: each sample's K draws in rows of one forward."""
+        t, noise, drop = self.step_randomness(step, micro, x.shape[0])
+        if self.augmult > 1:
+            x, y = x.repeat_interleave(self.augmult, 0), y.repeat_interleave(self.augmult, 0)
+        if self.model_args.num_classes > 0:
+            y = torch.where(drop, torch.full_like(y, self.model_args.num_classes), y)  # CFG's null class
+        else:
+            y = None
+        with self.compute_context():
+            losses, t_frac = self.diffusion.training_losses(self.model, x, y, t=t, noise=noise)
+        if self.augmult > 1:
+            losses = losses.view(-1, self.augmult)
+        return losses, t_frac
+
+    @contextlib.contextmanager
+    def compute_context(self):
+        """bf16 autocast (single device / DDP) and the attention-kernel priority, around a forward."""
+        with torch.autocast(self.device.type, torch.bfloat16, enabled=self.autocast), self.attention_context():
+            yield
+
+    def attention_context(self):
+        """The SDPA kernel priority. Backward needs it too: activation checkpointing recomputes attention there,
+        and a recompute that picked another kernel than forward did would save different tensors (an error)."""
+        return sdpa_kernel(self.sdpa_backends, set_priority=True)
+
+    def tracked(self):
+        """Every observer's `track`, around a forward or a backward of the step being taken."""
+        stack = contextlib.ExitStack()
+        for observer in self.observers:
+            stack.enter_context(observer.track(self.step + 1))
+        return stack
+
+    def stage(self, name: str) -> None:
+        for observer in self.observers:
+            observer.stage(name, self.step + 1)
+
+    def forward_backward(self, batch: tuple, micro: int = 0) -> torch.Tensor:
+        """Forward and backward of one micro-batch (images, labels, Poisson padding mask or None) of this rank,
+        adding into every `p.grad`; returns the per-sample losses, detached ((B,); the mean of K draws with
+        dp.augmult K)."""
+        x, y, mask = batch
+        with self.tracked():
+            losses, _ = self.forward_losses(x, y, self.step, micro)
+        self.stage("forward")
+        with self.tracked(), self.attention_context():
+            if self.private is not None:
+                self.private.backward(
+                    losses,
+                    mask,
+                    last_micro_batch=micro == self.grad_accum_steps - 1,
+                    on_norms=(lambda: self.stage("dp_norms")) if self.observers else None,
+                )
+            else:
+                # Sum over this rank / global batch: the data-parallel mean (DDP/FSDP) then gives the global mean.
+                (losses.sum() * self.dp_degree / self.global_batch).backward()
+        losses = losses.detach().mean(1) if losses.dim() == 2 else losses.detach()
+        self.stage("backward")
+        return losses
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """This rank's next micro-batch on the device: images, labels and the Poisson padding mask (or None)."""
+        data_start = time.perf_counter()
+        x, y, *mask = next(self.dataloader)  # a mask marks the padding of Poisson-sampled batches
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        mask = mask[0].to(self.device) if mask else None
+        self.meter.data_time += time.perf_counter() - data_start
+        return x, y, mask
+
+    def grad_norm(self) -> torch.Tensor:
+        """The global L2 norm of the gradients the optimizer is about to apply (FSDP shards gathered, DDP's all-reduced
+        ones as they are: every rank gets the same value)."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def train_step(self) -> dict:
+        """One optimizer step over grad_accum_steps micro-batches; returns tensors for logging.
+
+        Raises:
+            NonFiniteStepError: the loss or the gradient norm is NaN or inf; the update is not applied.
+        """
+        loss_sum = torch.zeros((), device=self.device)
+        for micro in range(self.grad_accum_steps):
+            batch = self.next_batch()
+            losses = self.forward_backward(batch, micro)
+            mask = batch[2]
+            loss_sum += (losses if mask is None else losses * mask).sum()
+        grad_norm = self.grad_norm()
+        self.check_finite(loss_sum, grad_norm)  # before anything changes the weights
+        max_norm = self.job_config.training.max_norm if self.private is None else 0.0  # DP clips per sample instead
+        if max_norm > 0:
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, grad_norm, foreach=True)
+        lr = self.optimizer.param_groups[0]["lr"]  # the lr this update applies
+        self.optimizer.step()
+        self.stage("optimizer_step")
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if getattr(self.model, "float8_fsdp_all_gather", False):
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            precompute_float8_dynamic_scale_for_fsdp(self.model)  # one all-reduce for every weight's scale
+        if self.ema is not None:
+            self.ema.update()
+        self.stage("zero_grad")
+        if self.private is not None:
+            self.private.step_done()
+        self.step += 1
+        return {"loss_sum": loss_sum, "grad_norm": grad_norm, "lr": lr}
+
+    def check_finite(self, loss_sum: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """Stops the run before a non-finite update; the gradient norm is global, so every rank stops alike (a NaN
+        loss anywhere makes it NaN). One sync with the GPU per step, which also bounds how far the CPU runs ahead."""
+        if bool(torch.isfinite(grad_norm)) and bool(torch.isfinite(loss_sum)):
+            return
+        step = self.step + 1
+        newest = self.checkpointer.newest_complete()
+        raise NonFiniteStepError(
+            f"step {step}: this rank's mean loss is {loss_sum.item() * self.dp_degree / self.global_batch:.4g} and the "
+            f"gradient norm {grad_norm.item():.4g}: the run stops before applying this update"
+            f"{f'; the newest checkpoint is {newest}' if newest else ''}. Lower optimizer.lr, set "
+            "training.max_norm > 0, or check the data"
+        )
+
+    def logs_at(self, steps_done: int) -> bool:
+        """Whether the metrics are logged once `steps_done` steps are done (every log_freq steps, and the last)."""
+        return steps_done % self.job_config.metrics.log_freq == 0 or steps_done == self.job_config.training.steps
+
+    def log(self, out: dict) -> None:
+        loss_sum = out["loss_sum"].clone()
+        if dist.is_initialized():
+            dist.all_reduce(loss_sum, group=self.parallel_dims.dp_group())
+        metrics = {"loss": loss_sum.item() / self.global_batch, "grad_norm": out["grad_norm"].item(), "lr": out["lr"]}
+        metrics.update(self.meter.summary())
+        if self.private is not None:
+            metrics.update(self.private.metrics())
+        self.metrics.log(self.step, metrics)
+        self.meter.reset()
+
+    def train(self) -> None:
+        cfg = self.job_config
+        if cfg.checkpoint.create_seed_checkpoint:
+            self.checkpointer.save(0, last=True, model_only=True)
+            logger.info("wrote the seed checkpoint (step 0); exiting")
+            return
+        logger.info(f"training from step {self.step} to {cfg.training.steps}")
+        self.meter.reset()
+        while self.step < cfg.training.steps:
+            out = self.train_step()
+            self.meter.steps += 1
+            self.gc.run(self.step)
+            last = self.step == cfg.training.steps
+            if self.logs_at(self.step):
+                self.log(out)
+            if self.checkpointer.should_save(self.step, last):  # before the samples: a failing side feature
+                self.checkpointer.save(self.step, last=last)  # never costs the step's checkpoint
+            if self.samples.due(self.step, last):
+                self.samples.write(self.model, self.ema, self.step, self.compute_context)
+            self.profiler.step(self.step)
+        self.checkpointer.wait()
+        if cfg.checkpoint.enable:
+            self.export_weights()
+        logger.info("training done")
+
+    def export_weights(self) -> None:
+        """ema.safetensors at the end of training: a side feature (the checkpoints hold the same weights), so a
+        failure is logged as an error and the run still ends well."""
+        try:
+            self.checkpointer.export_ema(self.dump_folder / "ema.safetensors", self.model_args,
+                                         torch_dtype(self.job_config.checkpoint.export_dtype))  # fmt: skip
+        except Exception as e:  # noqa: BLE001
+            logger.exception(f"exporting ema.safetensors failed ({type(e).__name__}: {e}); the checkpoints hold "
+                             "the weights")  # fmt: skip
+
+    def close(self) -> None:
+        self.profiler.close()
+        self.metrics.close()
+        if self.run_lock is not None:
+            self.run_lock.release()
+        if dist.is_initialized():
+            dist.barrier()  # every rank reaches teardown before gloo/NCCL is destroyed (avoids an abort at exit)
+            dist.destroy_process_group()
