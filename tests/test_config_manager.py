@@ -284,8 +284,8 @@ def test_combination_errors_name_each_key_source(tmp_path):
     assert f"training.global_batch_size = 60 in {path} is not divisible" in str(err.value)
     assert "training.local_batch_size (in the command line) x data-parallel degree = 8 x 2 = 16" in str(err.value)
     with pytest.raises(ConfigError) as err:
-        parse_args(["--job.config_file", path, "--compile.enable", "true"])
-    assert str(err.value).startswith(f"dp.enable in {path} with compile.enable in the command line:")
+        parse_args(["--job.config_file", path, "--model.converters", "float8"])
+    assert str(err.value).startswith(f"dp.enable in {path} with model.converters in the command line:")
 
 
 def test_every_bad_key_is_reported_at_once(tmp_path):

@@ -1,4 +1,7 @@
-"""Metrics sinks: a failing TensorBoard or wandb write is an error in the log, never the end of a run."""
+"""Metrics sinks: a failing TensorBoard or wandb write is an error in the log, never the end of a run; the DP
+console line."""
+
+import json
 
 from torchtitan.components.metrics import MetricsLogger
 from torchtitan.config_manager import JobConfig
@@ -37,3 +40,19 @@ def test_a_failing_sink_is_logged_and_left_off(tmp_path, caplog):
     assert "metrics: writing to wandb failed (ConnectionError" in caplog.text
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 3  # metrics.jsonl kept every step
+
+
+def test_under_dp_the_console_line_names_the_noised_norm_and_shows_the_per_sample_norms(tmp_path, caplog):
+    logger = MetricsLogger(JobConfig(), tmp_path, rank=0)
+    logger.color = False
+    record = {"loss": 1.0, "dp_noised_grad_norm": 2.5, "lr": 1e-3, "images_per_second": 5.0, "step_time_s": 0.1,
+              "data_time_s": 0.0, "dp_epsilon": 0.5, "dp_grad_norm_mean": 0.8, "dp_grad_norm_p95": 1.9,
+              "dp_clipped_fraction": 0.25}  # fmt: skip
+    with caplog.at_level("INFO"):
+        logger.log(1, record)
+    logger.close()
+    line = caplog.records[-1].getMessage()
+    assert "  noised_grad_norm 2.500  " in line and "  grad_norm" not in line
+    assert line.endswith("eps 0.500  sample_norm mean 0.800 p95 1.900 clipped 25.0%")
+    logged = [json.loads(text) for text in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert logged == [{"step": 1, **record}]

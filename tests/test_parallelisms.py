@@ -125,6 +125,46 @@ def test_every_gradient_matches_one_process(one_process_gradients, tmp_path, lay
         assert got["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5), name
 
 
+# DP-SGD in each layout, with noise: the noise is drawn once per element of the global gradient, so the clipped,
+# noised gradient of a layout equals one process's (eager, no AC) exactly but for the reduction order. Each case
+# composes DP with compile and an AC mode; accumulation and augmult where named. The one-process eager gradients are
+# checked against torch.func in tests/test_dp_composition.py and tests/test_dp_engine.py.
+DP_ARGS = [*GRAD_ARGS, "--dp.enable", "true", "--dp.noise_multiplier", "0.5", "--dp.max_grad_norm", "0.05"]
+AUGMULT = ["--dp.augmult", "2"]
+COMPILED = ["--compile.enable", "true"]
+SELECTIVE = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option"]
+DP_VARIANTS = {  # name: (arguments, micro-batches per step)
+    "fbk_compiled_full_ac": (["--dp.mode", "flash_bookkeeping", *COMPILED, "--activation_checkpoint.mode", "full"], 1),
+    "ghost_compiled_every_2nd_ac_accum": (["--dp.mode", "ghost", *COMPILED, *SELECTIVE, "2"], 2),
+    "bk_compiled_op_ac_augmult": (["--dp.mode", "bookkeeping", *COMPILED, *SELECTIVE, "op", *AUGMULT], 1),
+}
+DP_LAYOUTS = {"ddp": ["fbk_compiled_full_ac"], "fsdp": list(DP_VARIANTS), "hsdp": ["bk_compiled_op_ac_augmult"]}
+
+
+@pytest.fixture(scope="module")
+def one_process_dp_gradients(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dp_grads_one")
+    one = [*DP_ARGS, "--training.local_batch_size", "8"]
+    return layout_gradients(out, 1, {"plain": one, "augmult": [*one, *AUGMULT]})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(DP_LAYOUTS))
+def test_dp_gradient_matches_one_process(one_process_dp_gradients, tmp_path, layout):
+    nproc, layout_args = LAYOUTS[layout]
+    local_batch = 8 // nproc
+    cases = {}
+    for variant in DP_LAYOUTS[layout]:
+        args, micro_batches = DP_VARIANTS[variant]
+        local = ["--training.local_batch_size", str(local_batch // micro_batches)]  # the last word wins
+        cases[f"{layout}_{variant}"] = [*DP_ARGS, *layout_args, *local, *args]
+    for name, got in layout_gradients(tmp_path, nproc, cases).items():
+        reference = one_process_dp_gradients["augmult" if "augmult" in name else "plain"]
+        for param, expected in reference["grads"].items():
+            error = (got["grads"][param] - expected).norm() / expected.norm()
+            assert error < 1e-5, f"{name}: {param} gradient off by {error:.2e} (relative)"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("scope", ["block", "model"])
 def test_compile_matches_eager(seed_checkpoint, reference, tmp_path, scope):

@@ -246,12 +246,20 @@ def _check_dp(cfg, errors: list[str]) -> None:
     """Combinations the DP engine does not support."""
     if not cfg.dp.enable:
         return
-    if cfg.compile.enable:
-        errors.append(f"{keys_in(cfg, 'dp.enable', 'compile.enable')}: the DP engine's per-layer hooks need eager "
-                      "blocks; set compile.enable = false")  # fmt: skip
     if "float8" in cfg.model.converters:
-        errors.append(f"{keys_in(cfg, 'dp.enable', 'model.converters')}: float8 layers have no per-sample rule; "
-                      "leave 'float8' out of model.converters")  # fmt: skip
+        errors.append(f"{keys_in(cfg, 'dp.enable', 'model.converters')}: torchao's float8 Linear computes its weight "
+                      "gradient inside its float8 matmul, where no per-sample gradient or norm can be had; DP-SGD "
+                      "clips per sample, so leave 'float8' out of model.converters")  # fmt: skip
+    ac = cfg.activation_checkpoint
+    if cfg.dp.mode in ("ghost", "flash") and ac.mode == "selective" and ac.selective_ac_option == "op":
+        errors.append(f"{keys_in(cfg, 'dp.mode', 'activation_checkpoint.selective_ac_option')}: ghost clipping "
+                      "backpropagates twice, and per-op selective AC keeps its saved tensors for one backward only; "
+                      "use a book-keeping mode (dp.mode = 'flash_bookkeeping'), full AC, or every k-th block "
+                      "(selective_ac_option = '2')")  # fmt: skip
+    if cfg.compile.enable and cfg.compile.scope == "model" and ac.mode != "none":
+        errors.append(f"{keys_in(cfg, 'dp.enable', 'compile.scope', 'activation_checkpoint.mode')}: under DP-SGD the "
+                      "per-layer hooks break the compiled graph, which a checkpointed block inside a compiled model "
+                      "cannot hold (the blocks would run uncompiled); use compile.scope = 'block'")  # fmt: skip
 
 
 def validate_layout(cfg, world_size: int, device_type: str) -> None:

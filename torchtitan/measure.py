@@ -72,8 +72,8 @@ def measure_steps(train_args: list[str], warmup: int = 3, steps: int = 10, profi
                   **peak_memory_gib(trainer.device)}  # fmt: skip
         if trainer.device.type == "cuda":
             result["device"] = torch.cuda.get_device_name(trainer.device)
-        if trainer.private is not None:
-            result.update(trainer.private.metrics())
+        if trainer.private is not None:  # epsilon, and the per-sample norms of every step (all ranks)
+            result.update(trainer.private.metrics(trainer.parallel_dims.dp_group()))
         if profile and trainer.device.type == "cuda":
             print_profile(trainer)
         return result

@@ -326,13 +326,17 @@ class Trainer:
         return steps_done % self.job_config.metrics.log_freq == 0 or steps_done == self.job_config.training.steps
 
     def log(self, out: dict) -> None:
+        """The step's metrics. Under DP the gradient norm is the noised one the optimizer applies
+        (`dp_noised_grad_norm`), and the per-sample norms before clipping are summarized over every sample since the
+        last log (PrivateTraining.metrics: a collective over the data-parallel ranks)."""
         loss_sum = out["loss_sum"].clone()
         if dist.is_initialized():
             dist.all_reduce(loss_sum, group=self.parallel_dims.dp_group())
-        metrics = {"loss": loss_sum.item() / self.global_batch, "grad_norm": out["grad_norm"].item(), "lr": out["lr"]}
+        grad_norm_key = "dp_noised_grad_norm" if self.private is not None and self.private.noised else "grad_norm"
+        metrics = {"loss": loss_sum.item() / self.global_batch, grad_norm_key: out["grad_norm"].item(), "lr": out["lr"]}
         metrics.update(self.meter.summary())
         if self.private is not None:
-            metrics.update(self.private.metrics())
+            metrics.update(self.private.metrics(self.parallel_dims.dp_group()))
         self.metrics.log(self.step, metrics)
         self.meter.reset()
 

@@ -23,6 +23,10 @@ _NAMESPACED = {
     "memory_peak_active_gib": "memory/peak_active_gib",
     "memory_peak_reserved_gib": "memory/peak_reserved_gib",
     "dp_epsilon": "dp/epsilon",
+    "dp_noised_grad_norm": "dp/noised_grad_norm",
+    "dp_grad_norm_mean": "dp/grad_norm_mean",
+    "dp_grad_norm_p95": "dp/grad_norm_p95",
+    "dp_clipped_fraction": "dp/clipped_fraction",
 }
 
 
@@ -122,7 +126,10 @@ class MetricsLogger:
     def _console_line(self, r: dict) -> str:
         c = (lambda code, s: f"\033[{code}m{s}\033[0m") if self.color else (lambda code, s: s)
         parts = [c(31, f"step {r['step']:>6}"), c(32, f"loss {r['loss']:.4f}")]
-        parts.append(c(33, f"grad_norm {r['grad_norm']:.3f}"))
+        if "dp_noised_grad_norm" in r:  # under DP: the norm of the clipped, noised gradient the optimizer applies
+            parts.append(c(33, f"noised_grad_norm {r['dp_noised_grad_norm']:.3f}"))
+        else:
+            parts.append(c(33, f"grad_norm {r['grad_norm']:.3f}"))
         parts.append(f"lr {r['lr']:.2e}")
         parts.append(c(36, f"images/s {r['images_per_second']:,.1f}"))
         if "mfu" in r:
@@ -132,6 +139,9 @@ class MetricsLogger:
             parts.append(c(34, f"mem {r['memory_peak_active_gib']:.2f}GiB"))
         if "dp_epsilon" in r:
             parts.append(c(35, f"eps {r['dp_epsilon']:.3f}"))
+        if "dp_grad_norm_mean" in r:  # per-sample norms before clipping since the last log: what C is tuned by
+            parts.append(c(33, f"sample_norm mean {r['dp_grad_norm_mean']:.3f} p95 {r['dp_grad_norm_p95']:.3f} "
+                               f"clipped {100 * r['dp_clipped_fraction']:.1f}%"))  # fmt: skip
         return "  ".join(parts)
 
     def log_image(self, step: int, path: Path, tag: str = "samples") -> None:

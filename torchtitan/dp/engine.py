@@ -76,6 +76,12 @@ class DPEngine:
         self._sharded = any(isinstance(p, DTensor) for _, p in self._params)
         self._ddp = dpdist.is_ddp(model)
         self._capture = LayerCapture(model) if mode != "vanilla" else None
+        if mode in _TWO_PASS:
+            # Ghost clipping backpropagates through the graph twice (retain_graph=True), which compiled backwards
+            # that donate their buffers refuse; set before the first forward compiles anything.
+            import torch._functorch.config
+
+            torch._functorch.config.donated_buffer = False
         self._captured: frozenset[str] = frozenset()  # modules the first step's hooks saw
         self._group = 1  # augmult K of the backward in progress: rows per sample
         self._norm_sq: torch.Tensor | None = None  # the norms being summed (a DP buffer, for the breakdown)

@@ -113,16 +113,17 @@ def apply_ac(blocks: nn.ModuleDict, mode: str, selective_option: str, save_ops: 
                 f"{sum(wrapped)}/{len(blocks)} blocks")  # fmt: skip
 
 
-def apply_compile(model: nn.Module, mode: str = "default", scope: str = "block") -> None:
+def apply_compile(model: nn.Module, mode: str = "default", scope: str = "block", fullgraph: bool = True) -> None:
     """torch.compile in place each of `model.blocks`, or the whole model with scope 'model'.
 
-    fullgraph: a graph break is a bug, not a slowdown. `Module.compile` keeps the parameter names.
+    fullgraph: a graph break is a bug, not a slowdown; only DP-SGD's per-layer hooks break graphs on purpose.
+    `Module.compile` keeps the parameter names.
     """
     modules = list(model.blocks.values()) if scope == "block" else [model]
     for module in modules:
-        module.compile(fullgraph=True, mode=None if mode == "default" else mode)
+        module.compile(fullgraph=fullgraph, mode=None if mode == "default" else mode)
     what = f"{len(modules)} blocks" if scope == "block" else "the whole model"
-    logger.info(f"compiled {what} with torch.compile(fullgraph=True, mode={mode!r})")
+    logger.info(f"compiled {what} with torch.compile(fullgraph={fullgraph}, mode={mode!r})")
 
 
 def reshards_after_forward(mode: str, num_blocks: int) -> tuple[list[bool], bool]:

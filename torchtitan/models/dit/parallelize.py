@@ -2,7 +2,7 @@
 
 The order matters: converters swap plain modules for fused ones (and float8 Linears) that AC and compile then see;
 AC wraps the converted block, compile then traces the wrapped block (so the recomputation is compiled too), and
-FSDP shards last so its hooks sit outside the compiled code.
+FSDP shards last so its hooks sit outside the compiled code. Under DP-SGD compile comes before AC (see below).
 """
 
 from torch import nn
@@ -31,10 +31,15 @@ def parallelize_dit(model: nn.Module, parallel_dims: ParallelDims, job_config) -
     conversion = apply_converters(model, job_config.model.converters, checkpointed, job_config.quantize.linear.float8,
                                   parallel_dims.fsdp_enabled)  # fmt: skip
     model.float8_fsdp_all_gather = conversion.float8_fsdp_all_gather  # read by the trainer after each step
+    compile_config = job_config.compile
+    compiled = compile_config.enable and "model" in compile_config.components  # scope "model": one device
+    if compiled and job_config.dp.enable:
+        # DP-SGD's per-layer hooks run outside traced code: a graph break around each clipped layer, which a
+        # checkpointed region cannot hold. So each block is compiled first and checkpointed around its compiled call.
+        apply_compile(model, compile_config.mode, compile_config.scope, fullgraph=False)
     if ac.mode != "none":
         apply_ac(model.blocks, ac.mode, ac.selective_ac_option, save_ops=conversion.save_ops)
-    compile_config = job_config.compile
-    if compile_config.enable and "model" in compile_config.components:  # scope "model": one device (validated)
+    if compiled and not job_config.dp.enable:
         apply_compile(model, compile_config.mode, compile_config.scope)
     if parallel_dims.fsdp_enabled:
         apply_fsdp(
