@@ -181,12 +181,12 @@ def test_the_gelu_mlp_op_is_declared_for_selective_checkpointing():
 
 
 def test_dp_refuses_the_float8_converter():
-    # float8's Linears have no per-sample rule; the fused converters keep DP-SGD's module path by themselves.
+    # float8's Linears have no per-sample gradient; the fused converters keep DP-SGD's module path by themselves.
     import pytest
 
     from torchtitan.config_manager import ConfigError, parse_args
 
     parse_args(["--dp.enable", "true"])
-    with pytest.raises(ConfigError, match="dp.enable with model.converters in the command line: float8 layers have no "
-                                          "per-sample rule"):  # fmt: skip
+    with pytest.raises(ConfigError, match="dp.enable with model.converters in the command line: torchao's float8 "
+                                          "Linear computes its weight gradient"):  # fmt: skip
         parse_args(["--dp.enable", "true", "--model.converters", "fused_norm,float8"])
