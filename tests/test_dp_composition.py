@@ -76,6 +76,19 @@ def _assert_grads(model, expected: dict, label: str) -> None:
         assert err < 1e-4, f"{label} {name}: relative error {err:.2e}"
 
 
+def _check_step(overrides: list[str], mode: str, label: str, steps: int = 1) -> None:
+    """The debug DiT through parallelize_dit with `overrides`, `steps` private backwards of one batch of 4: norms and
+    clipped gradients against torch.func on the plain model."""
+    plain, batch = _plain_dit(), _batch(4)
+    clipped, norms, max_norm = _clipped_reference(plain, batch)
+    model = _parallelized(plain, overrides)
+    engine = DPEngine(model, mode, max_norm, 0.0)
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        torch.testing.assert_close(engine.backward(_loss(model(*batch), *batch)), norms, rtol=1e-4, atol=0)
+    _assert_grads(model, clipped, label)
+
+
 @parent_only
 @pytest.mark.parametrize(
     "ac, mode", [(ac, mode) for ac in AC for mode in ("ghost", "bookkeeping") if (ac, mode) != ("op", "ghost")]
@@ -83,27 +96,14 @@ def _assert_grads(model, expected: dict, label: str) -> None:
 def test_compiled_and_checkpointed_dit_matches_torch_func(ac, mode):
     """Two steps: the second runs the compiled code the first compiled (and catches state the first left). Ghost
     clipping backpropagates twice, which per-op AC cannot (config validation refuses it)."""
-    plain, batch = _plain_dit(), _batch(4)
-    clipped, norms, max_norm = _clipped_reference(plain, batch)
-    model = _parallelized(plain, [*COMPILE, *AC[ac]])
-    engine = DPEngine(model, mode, max_norm, 0.0)
-    for _ in range(2):
-        model.zero_grad(set_to_none=True)
-        got = engine.backward(_loss(model(*batch), *batch))
-        torch.testing.assert_close(got, norms, rtol=1e-4, atol=0)
-    _assert_grads(model, clipped, f"compiled, AC {ac}, {mode}")
+    _check_step([*COMPILE, *AC[ac]], mode, f"compiled, AC {ac}, {mode}", steps=2)
 
 
 @parent_only
 @pytest.mark.parametrize("ac", ["op", "every_2nd"])
 def test_checkpointed_dit_matches_torch_func(ac):
     """Selective AC without compile (full AC eagerly: tests/test_dp_engine.py)."""
-    plain, batch = _plain_dit(), _batch(4)
-    clipped, norms, max_norm = _clipped_reference(plain, batch)
-    model = _parallelized(plain, AC[ac])
-    engine = DPEngine(model, "bookkeeping", max_norm, 0.0)
-    torch.testing.assert_close(engine.backward(_loss(model(*batch), *batch)), norms, rtol=1e-4, atol=0)
-    _assert_grads(model, clipped, f"AC {ac}")
+    _check_step(AC[ac], "bookkeeping", f"AC {ac}")
 
 
 @parent_only
@@ -149,9 +149,4 @@ def test_converters_in_interpreter():
 def test_kernel_paths_match_torch_func(mode, ac):
     """Under Triton's interpreter the converters' fused norms and the flash norm kernels run their Triton code (the
     fused MLP and qkv hand their DP-hooked Linears to the module call), with AC."""
-    plain, batch = _plain_dit(), _batch(4)
-    clipped, norms, max_norm = _clipped_reference(plain, batch)
-    model = _parallelized(plain, AC[ac])
-    engine = DPEngine(model, mode, max_norm, 0.0)
-    torch.testing.assert_close(engine.backward(_loss(model(*batch), *batch)), norms, rtol=1e-4, atol=0)
-    _assert_grads(model, clipped, f"interpreter {mode}")
+    _check_step(AC[ac], mode, f"interpreter {mode}")
