@@ -89,7 +89,7 @@ def load_dcp_weights(model: torch.nn.Module, step_dir: Path) -> str:
 def load_model(cfg: JobConfig, weights: Path, device: torch.device):
     """A plain model (eval mode) with the weights of `weights`; also returns its args."""
     spec = get_train_spec(cfg.model.name)
-    model_args = build_model_args(spec, cfg.model)
+    model_args = build_model_args(spec, cfg)
     with torch.device("meta"):
         model = spec.model_cls(model_args)
     model.to_empty(device=device)

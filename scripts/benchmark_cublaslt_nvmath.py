@@ -155,7 +155,7 @@ def main() -> None:
     from torchtitan.train_spec import build_model_args, get_train_spec
 
     cfg = parse_args(["--job.config_file", args.config])
-    model = build_model_args(get_train_spec(cfg.model.name), cfg.model)
+    model = build_model_args(get_train_spec(cfg.model.name), cfg)
     backend = NvmathBackend()
     m = args.batch * model.num_tokens
     print(json.dumps(check(backend, 512, model.dim, model.mlp_hidden_dim), default=str), flush=True)

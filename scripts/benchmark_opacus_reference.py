@@ -174,7 +174,7 @@ def measure(args: argparse.Namespace, reference: ModuleType, device: torch.devic
     result = {"name": args.name or f"reference_{args.mode}", "status": "ok", "mode": args.mode, "model": args.model,
               "image_size": args.image_size, "in_channels": args.in_channels, "global_batch": args.batch,
               **meter.rates(summary["step_time_s"]), **summary, "warmup_s": warmup_s, "loss": loss.item(),
-              "gflop_per_image": meter.flops_per_image / 1e9, **peak_memory_gib(device)}  # fmt: skip
+              "gflop_per_image": meter.flops_per_sample / 1e9, **peak_memory_gib(device)}  # fmt: skip
     if device.type == "cuda":
         result.update(max_memory_allocated_gib=torch.cuda.max_memory_allocated(device) / GIB,
                       device=torch.cuda.get_device_name(device))  # fmt: skip

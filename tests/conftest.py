@@ -56,8 +56,10 @@ def run_train(args: list[str], nproc: int = 1, timeout: int = 600, check: bool =
     return result
 
 
-def read_metrics(folder: Path) -> list[dict]:
-    return [json.loads(line) for line in (Path(folder) / "metrics.jsonl").read_text().splitlines()]
+def read_metrics(folder: Path, validation: bool = False) -> list[dict]:
+    """The training records of a run's metrics.jsonl, or its validation records."""
+    records = [json.loads(line) for line in (Path(folder) / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if ("validation_loss" in r) == validation]
 
 
 TINY = [

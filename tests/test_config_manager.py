@@ -203,7 +203,7 @@ def test_model_booleans_are_optional_booleans_that_round_trip(tmp_path, key, val
     assert getattr(cfg.model, key) is value
     flavor = get_train_spec("dit").model_args["debug"]
     expected = getattr(flavor, key) if value is None else value
-    assert getattr(build_model_args(get_train_spec("dit"), cfg.model), key) is expected
+    assert getattr(build_model_args(get_train_spec("dit"), cfg), key) is expected
     text = to_toml(cfg)
     assert (f"\n{key} = {word}\n" in text) if value is not None else (f"\n{key} =" not in text)  # TOML has no null
     written = tmp_path / "written.toml"

@@ -40,7 +40,6 @@ _CHOICES = {
     "optimizer.name": ("AdamW",),
     "optimizer.implementation": ("fused", "foreach", "for-loop"),
     "lr_scheduler.decay_type": ("linear", "cosine", "sqrt"),
-    "training.dataset": ("digits", "dummy", "imagefolder", "cifar10", "latents"),
     "training.mixed_precision_param": ("bfloat16", "float32"),
     "training.mixed_precision_reduce": ("float32", "bfloat16"),
     "parallelism.fsdp_reshard_after_forward": ("default", "always", "never"),
@@ -100,6 +99,9 @@ _BOUNDS = {
     "training.max_norm": ">= 0",
     "training.ema_decay": "in [0, 1)",
     "training.gc_freq": ">= 0",
+    "training.seq_len": "> 0",
+    "validation.freq": "> 0",
+    "validation.steps": "> 0",
     "training.dataloader.num_workers": ">= 0",
     "training.dataloader.prefetch_factor": "> 0",
     "parallelism.data_parallel_replicate_degree": "-1 or >= 1",
@@ -164,13 +166,39 @@ def _check_model(cfg, errors: list[str]) -> None:
         errors.append(f"{at(cfg, 'model.flavor')}: known flavors {sorted(spec.model_args)}")
         return
     try:
-        args = build_model_args(spec, cfg.model)
+        args = build_model_args(spec, cfg)
     except ValueError as e:  # the model's own invariants (DiTArgs.validate), from these overrides
         errors.append(f"{at(cfg, 'model.flavor')} with the [model] overrides: {e}")
         return
+    _check_family(cfg, spec, args, errors)
     if getattr(args, "learn_sigma", False) and cfg.diffusion.objective != "ddpm":
         errors.append(f"{at(cfg, 'diffusion.objective')}: a learned sigma (model.learn_sigma, the flavor's or in "
                       f"{cfg.source_of('model.learn_sigma')}) is DDPM's; set model.learn_sigma = false")  # fmt: skip
+
+
+def _check_family(cfg, spec, args, errors: list[str]) -> None:
+    """The keys that belong to one model family: its datasets, held-out split, image sampling, augmult, and DP on
+    tied weights."""
+    name = f"model.name {spec.name!r} (in {cfg.source_of('model.name')})"
+    if cfg.training.dataset not in spec.datasets:
+        errors.append(f"{at(cfg, 'training.dataset')}: {name} reads {list(spec.datasets)}")
+    if cfg.validation.enable and not spec.has_validation_split:
+        errors.append(f"{at(cfg, 'validation.enable')}: {name} trains on datasets without a held-out split")
+    if cfg.checkpoint.initial_load_in_hf and (spec.read_hf_fn is None or not cfg.checkpoint.initial_load_path):
+        errors.append(f"{at(cfg, 'checkpoint.initial_load_in_hf')}: needs checkpoint.initial_load_path (a Hugging "
+                      f"Face model folder) and a model family with that format; {name} has "
+                      f"{'one' if spec.read_hf_fn else 'none'}")  # fmt: skip
+    if spec.name == "dit":
+        return
+    if cfg.sampling.freq > 0 and cfg.source_of("sampling.freq") != "the defaults":
+        errors.append(f"{at(cfg, 'sampling.freq')}: image sample grids are the DiT's; {name} writes none (set 0)")
+    if cfg.dp.enable and getattr(args, "tie_embeddings", False):
+        # One weight in two layers: its per-sample gradient is the sum of both uses, which no layer rule sees whole.
+        errors.append(f"{at(cfg, 'model.flavor')}: its LM head is tied to the token embedding, which DP-SGD cannot "
+                      "clip per sample; train a classifier (model.num_classes > 0) or an untied flavor")  # fmt: skip
+    if cfg.dp.enable and cfg.dp.augmult > 1:
+        errors.append(f"{at(cfg, 'dp.augmult')}: augmult draws K diffusion timesteps and noises per image; {name} "
+                      "has no per-sample randomness to multiply (set 1)")  # fmt: skip
 
 
 def _check_choices(cfg, errors: list[str]) -> None:
@@ -240,6 +268,11 @@ def _check_converters(cfg, errors: list[str]) -> None:
             errors.append(f"{at(cfg, 'model.converters')}: unknown converter {name!r}; known: {list(CONVERTERS)}")
         elif names.count(name) > 1:
             errors.append(f"{at(cfg, 'model.converters')}: {name!r} is named twice")
+    if cfg.model.name != "dit" and cfg.source_of("model.converters") != "the defaults":
+        # The default list names the DiT's kernels: another family takes float8 only, and says so when asked for more.
+        for name in dict.fromkeys(n for n in names if n in CONVERTERS and n != "float8"):
+            errors.append(f"{at(cfg, 'model.converters')}: {name!r} is a DiT kernel; model.name "
+                          f"{cfg.model.name!r} takes ['float8']")  # fmt: skip
 
 
 def _check_dp(cfg, errors: list[str]) -> None:

@@ -70,9 +70,13 @@ class Metrics:
 @dataclass
 class Model:
     name: str = "dit"
-    """Registered TrainSpec name."""
+    """Registered TrainSpec name: 'dit' or 'llama3'."""
     flavor: str = "debug"
-    """Key of dit_configs, e.g. 'DiT-XL/2', '0.5B', '7B', 'debug'."""
+    """Key of the family's flavors: dit_configs ('DiT-XL/2', '0.5B', '7B', 'debug') or llama3_configs
+    ('debugmodel', 'lab', 'small' ... '2.7B', 'Llama-3.2-1B', 'Llama-3.1-8B')."""
+    tokenizer_path: str = "bytes"
+    """Language models: 'bytes' (UTF-8 bytes + BOS/EOS, 258 ids), or a local tokenizer.json (HF tokenizers) or
+    Llama 3 tokenizer.model (tiktoken), or a folder holding one."""
     converters: list[str] = field(default_factory=lambda: ["fused_norm", "fused_mlp", "fused_qkv"])
     """Converters applied before activation checkpointing and compile, in order; each swaps modules for ones with the
     same parameter names (torchtitan/kernels/converters.py). 'fused_norm': each adaLN norm with the gated residual
@@ -175,9 +179,10 @@ class DataLoader:
 @dataclass
 class Training:
     dataset: str = "digits"
-    """'digits' (embedded) | 'dummy' | 'imagefolder' | 'cifar10' | 'latents'."""
+    """DiT: 'digits' (embedded) | 'dummy' | 'imagefolder' | 'cifar10' | 'latents'. Llama 3: 'stdlib' (embedded: the
+    Python standard library's source) | 'text' (a folder of .txt / .jsonl) | 'synthetic_classification'."""
     dataset_path: str = ""
-    """Local folder of the dataset (imagefolder, cifar10, latents)."""
+    """Local folder of the dataset (imagefolder, cifar10, latents, text)."""
     image_size: int = 0
     """Image size after resize/crop; 0 uses model input_size."""
     local_batch_size: int | typing.Literal["auto"] = 32
@@ -200,7 +205,20 @@ class Training:
     """Ramp the EMA decay as min(decay, (1 + n) / (10 + n)) for short runs."""
     gc_freq: int = 50
     """Steps between Python garbage collections (0: never; automatic GC stays off either way)."""
+    seq_len: int = 2048
+    """Tokens per sequence (language models): packed windows of the text, or the synthetic classification length."""
     dataloader: DataLoader = field(default_factory=DataLoader)
+
+
+@dataclass
+class Validation:
+    enable: bool = False
+    """Held-out loss (and perplexity, language models) every `freq` steps and at the end; needs a dataset with a
+    held-out split (the text datasets)."""
+    freq: int = 100
+    """Steps between validations."""
+    steps: int = 10
+    """Micro-batches per rank each validation reads (the same ones every time)."""
 
 
 @dataclass
@@ -232,6 +250,9 @@ class Checkpoint:
     """Resume from this step instead of the newest (-1: newest)."""
     initial_load_path: str = ""
     """Checkpoint folder to start from when the run has none of its own."""
+    initial_load_in_hf: bool = False
+    """initial_load_path is a Hugging Face model folder (config.json + *.safetensors, Llama 3): its weights are the
+    starting point (model only), converted by torchtitan/models/llama3/state_dict_adapter.py."""
     last_save_model_only: bool = False
     """The final checkpoint holds model and EMA only."""
     export_dtype: str = "float32"
@@ -354,6 +375,7 @@ class JobConfig:
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)
+    validation: Validation = field(default_factory=Validation)
     parallelism: Parallelism = field(default_factory=Parallelism)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)

@@ -27,8 +27,17 @@ from torchtitan.tools.runs import RESULT_PREFIX, warm_summary
 from torchtitan.tools.utils import peak_memory_gib
 from torchtitan.trainer import Trainer
 
-MEASURE_OVERRIDES = ["--training.dataset", "dummy", "--checkpoint.enable", "false", "--sampling.freq", "0",
-                     "--metrics.enable_tensorboard", "false", "--metrics.enable_wandb", "false"]  # fmt: skip
+MEASURE_OVERRIDES = ["--checkpoint.enable", "false", "--validation.enable", "false", "--metrics.enable_tensorboard",
+                     "false", "--metrics.enable_wandb", "false"]  # fmt: skip
+
+
+def measure_overrides(train_args: list[str]) -> list[str]:
+    """What a measurement changes in a config: no checkpoints, validation or sinks, and the model family's own
+    (TrainSpec.measure_overrides: the DiT measures on generated images, without sample grids)."""
+    from torchtitan.train_spec import get_train_spec
+
+    name = parse_args(train_args).model.name
+    return [*MEASURE_OVERRIDES, *get_train_spec(name).measure_overrides]
 
 
 @contextlib.contextmanager
@@ -37,7 +46,7 @@ def measuring_trainer(train_args: list[str]):
     with tempfile.TemporaryDirectory(prefix="measure_") as tmp:
         own_folder = not any(a.split("=")[0] == "--job.dump_folder" for a in train_args)
         folder = ["--job.dump_folder", tmp] if own_folder else []
-        trainer = Trainer(parse_args([*folder, *train_args, *MEASURE_OVERRIDES]))
+        trainer = Trainer(parse_args([*folder, *train_args, *measure_overrides(train_args)]))
         try:
             yield trainer
         finally:
@@ -68,7 +77,7 @@ def measure_steps(train_args: list[str], warmup: int = 3, steps: int = 10, profi
         summary = warm_summary(times)
         loss = out["loss_sum"].item() * trainer.dp_degree / trainer.global_batch  # this rank's mean
         result = {"global_batch": trainer.global_batch, **trainer.meter.rates(summary["step_time_s"]), **summary,
-                  "warmup_s": warmup_s, "loss": loss, "gflop_per_image": trainer.meter.flops_per_image / 1e9,
+                  "warmup_s": warmup_s, "loss": loss, "gflop_per_image": trainer.meter.flops_per_sample / 1e9,
                   **peak_memory_gib(trainer.device)}  # fmt: skip
         if trainer.device.type == "cuda":
             result["device"] = torch.cuda.get_device_name(trainer.device)

@@ -1,22 +1,73 @@
-"""TrainSpec registry: model name -> model class, flavors, parallelize function, FLOP formula.
+"""TrainSpec registry: model name -> model class, flavors, parallelize function, objective, data, FLOP formula.
 
-`train.py` looks a model up here by `model.name` and never imports a model class itself.
+`train.py` and the Trainer look a model family up here by `model.name` and never import a model class, a loss or a
+dataset themselves: a second family (Llama 3) is a second registration, not a change to the training step.
 """
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
+import torch
 from torch import nn
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """Where this rank's micro-batches sit in the global batch; objectives draw per-sample randomness by it so that
+    one process and N processes at the same global batch see the same losses."""
+
+    dp_rank: int
+    dp_degree: int
+    grad_accum_steps: int
+    augmult: int  # dp.augmult K under DP (K rows per sample in one forward), else 1
+    seed: int
+    device: torch.device
+
+
+class Objective(Protocol):
+    """What a model family trains for: one loss per sample, so DP-SGD and per-sample logging work unchanged."""
+
+    tokens_per_sample: int  # > 0: the logs add tokens/s (language models); 0 for images
+
+    def losses(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, step: int, micro: int) -> torch.Tensor:
+        """Per-sample losses (B,) of one micro-batch, or (B, K) with augmult K."""
+        ...
 
 
 @dataclass
 class TrainSpec:
+    """One model family.
+
+    Attributes:
+        model_args: flavor name -> the model's args dataclass.
+        build_model_args_fn: (flavor args copy, job_config) -> args with the config's overrides applied and validated
+            (raises ValueError naming the field).
+        parallelize_fn: (model, parallel_dims, job_config) -> model, applied on the meta device.
+        build_objective_fn: (job_config, model_args, BatchLayout) -> Objective.
+        build_dataloader_fn: (job_config, model_args, dp_rank, dp_world, poisson_steps, split) -> an endless,
+            stateful loader of (x, y) or, Poisson-sampled, (x, y, mask) micro-batches; split "train" or "validation".
+        flops_per_sample_fn: (model_args, job_config) -> training FLOPs of one sample (forward + backward).
+        datasets: the `training.dataset` values the family reads.
+        has_validation_split: whether its datasets hold out a split for `[validation]`.
+        measure_overrides: train.py flags a measurement (torchtitan.measure) adds for this family.
+        read_hf_fn: (folder, model_args) -> the full state dict of a Hugging Face model folder, checked
+            (`checkpoint.initial_load_in_hf`); None: the family has no Hugging Face format.
+    """
+
     name: str
     model_cls: type[nn.Module]
-    model_args: dict[str, Any]  # flavor name -> model args dataclass
+    model_args: dict[str, Any]
+    build_model_args_fn: Callable[[Any, Any], Any]
     parallelize_fn: Callable[..., nn.Module]
-    flops_per_image_fn: Callable[[Any], float]
+    build_objective_fn: Callable[[Any, Any, BatchLayout], Objective]
+    build_dataloader_fn: Callable[..., Any]
+    flops_per_sample_fn: Callable[[Any, Any], float]
+    datasets: tuple[str, ...]
+    has_validation_split: bool = False
+    measure_overrides: tuple[str, ...] = ()
+    read_hf_fn: Callable[[Any, Any], dict] | None = None
 
 
 _registry: dict[str, TrainSpec] = {}
@@ -36,23 +87,10 @@ def get_train_spec(name: str) -> TrainSpec:
     return _registry[name]
 
 
-def build_model_args(spec: TrainSpec, model_config) -> Any:
-    """The flavor's args with the `[model]` overrides applied (0, -1 and None keep the flavor's value)."""
-    import dataclasses
-
-    args = dataclasses.replace(spec.model_args[model_config.flavor])
-    for name in ("input_size", "in_channels", "patch_size"):
-        if getattr(model_config, name) > 0:
-            setattr(args, name, getattr(model_config, name))
-    if model_config.num_classes >= 0:
-        args.num_classes = model_config.num_classes
-    if model_config.attn_window >= 0:
-        args.attn_window = model_config.attn_window
-    for name in ("pos_embed", "norm", "mlp", "qk_norm", "learn_sigma"):
-        if getattr(model_config, name) is not None:  # False overrides a flavor's True
-            setattr(args, name, getattr(model_config, name))
+def build_model_args(spec: TrainSpec, job_config) -> Any:
+    """The flavor's args (a fresh copy: overrides never leak into the registry) with the config's overrides."""
+    flavor = job_config.model.flavor
     try:
-        args.validate()
+        return spec.build_model_args_fn(dataclasses.replace(spec.model_args[flavor]), job_config)
     except ValueError as e:
-        raise ValueError(f"[model] flavor {model_config.flavor!r} with overrides: {e}") from e
-    return args
+        raise ValueError(f"[model] flavor {flavor!r} with overrides: {e}") from e

@@ -10,6 +10,7 @@ count from 1, as the metrics log them.
 """
 
 import contextlib
+import math
 import os
 import time
 from pathlib import Path
@@ -28,15 +29,13 @@ from torchtitan.components.run_lock import acquire_run_lock
 from torchtitan.components.sampling import SampleWriter
 from torchtitan.config_manager import ConfigError, JobConfig, check_batch_sizes, to_toml
 from torchtitan.config_validation import at, validate_layout
-from torchtitan.datasets import build_dataloader
-from torchtitan.diffusion import build_diffusion
 from torchtitan.dp.training import PrivateTraining
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.utils import full_tensor_random_init, torch_dtype
 from torchtitan.tools.batch_size_finder import resolve_local_batch_size
 from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import GarbageCollection, get_device, set_determinism, settle_sdpa_priority
-from torchtitan.train_spec import build_model_args, get_train_spec
+from torchtitan.train_spec import BatchLayout, build_model_args, get_train_spec
 
 SDPA_BACKENDS = {
     "cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -80,27 +79,29 @@ class Trainer:
         self.gc = GarbageCollection(cfg.training.gc_freq)
         self.augmult = cfg.dp.augmult if cfg.dp.enable else 1
         self.train_spec = get_train_spec(cfg.model.name)
-        self.model_args = build_model_args(self.train_spec, cfg.model)
+        self.model_args = build_model_args(self.train_spec, cfg)
         self.model = self.build_model()
-        self.diffusion = build_diffusion(cfg.diffusion, self.model_args.learn_sigma)
+        layout = BatchLayout(self.dp_rank, self.dp_degree, self.grad_accum_steps, self.augmult, cfg.debug.seed,
+                             self.device)  # fmt: skip
+        self.objective = self.train_spec.build_objective_fn(cfg, self.model_args, layout)
         poisson_steps = cfg.training.steps if cfg.dp.enable and cfg.dp.sampling == "poisson" else 0
-        try:
-            self.dataloader = build_dataloader(cfg.training, self.model_args, self.dp_rank, self.dp_degree,
-                                               cfg.debug.seed, poisson_steps, cfg.latent)  # fmt: skip
-        except (FileNotFoundError, ValueError) as e:  # the data the config names is missing or does not fit it
-            raise ConfigError(f"{at(cfg, 'training.dataset')}: {e}") from e
+        self.dataloader = self.build_dataloader(poisson_steps, "train")
+        self.validation_loader = self.build_dataloader(0, "validation") if cfg.validation.enable else None
         self.private = None
         if cfg.dp.enable:
             self.private = PrivateTraining(cfg.dp, self.model, len(self.dataloader.dataset), self.global_batch,
                                            cfg.training.steps, self.parallel_dims.mesh, cfg.debug.seed)  # fmt: skip
         self._build_training_state()
         self.metrics = MetricsLogger(cfg, self.dump_folder, self.rank)
-        self.samples = SampleWriter(cfg, self.model_args, self.diffusion, self.device, self.rank, self.dump_folder,
-                                    self.metrics)  # fmt: skip
-        self.samples.check()
-        # An image costs K forward/backward passes with augmult: MFU counts them, images/s counts images.
-        flops = self.train_spec.flops_per_image_fn(self.model_args) * self.augmult
-        self.meter = ThroughputMeter(self.device, flops, self.global_batch, self.world_size)
+        self.samples = None  # image grids during training: for the diffusion objectives
+        if getattr(self.objective, "diffusion", None) is not None:
+            self.samples = SampleWriter(cfg, self.model_args, self.objective.diffusion, self.device, self.rank,
+                                        self.dump_folder, self.metrics)  # fmt: skip
+            self.samples.check()
+        # A sample costs K forward/backward passes with augmult: MFU counts them, images/s counts images.
+        flops = self.train_spec.flops_per_sample_fn(self.model_args, cfg) * self.augmult
+        self.meter = ThroughputMeter(self.device, flops, self.global_batch, self.world_size,
+                                     self.objective.tokens_per_sample)  # fmt: skip
         self.profiler = Profiler(cfg.profiling, self.dump_folder, self.rank, self.device)
         self.observers = []
         if cfg.profiling.enable_memory_breakdown:
@@ -115,7 +116,7 @@ class Trainer:
         self.write_config()
         logger.info(
             f"{cfg.model.flavor}: {sum(p.numel() for p in self.model.parameters()):,} parameters, "
-            f"{flops / 1e9:.2f} GFLOP/image (train), {self.parallel_dims.mode} over {self.world_size} rank(s), "
+            f"{flops / 1e9:.2f} GFLOP/sample (train), {self.parallel_dims.mode} over {self.world_size} rank(s), "
             f"global batch {self.global_batch} = {cfg.training.local_batch_size} x {self.dp_degree} "
             f"x {self.grad_accum_steps} accumulation, device {self.device}"
         )
@@ -148,9 +149,34 @@ class Trainer:
                                               self.lr_scheduler, self.ema, self.dataloader, self.rank,
                                               self.world_size, extra)  # fmt: skip
         self.step = self.checkpointer.maybe_load()
+        if self.step == 0 and cfg.checkpoint.initial_load_in_hf:
+            self.load_hf_weights(cfg.checkpoint.initial_load_path)
         if self.step > 0:  # the config's optimizer settings win over the checkpoint's
             for change in apply_configured_hyperparameters(self.optimizer, self.lr_scheduler, cfg.optimizer):
                 logger.warning(f"resumed with a changed config: {change}")
+
+    def build_dataloader(self, poisson_steps: int, split: str):
+        """This rank's loader of the config's dataset ("train" or the held-out "validation" split)."""
+        cfg = self.job_config
+        try:
+            return self.train_spec.build_dataloader_fn(cfg, self.model_args, self.dp_rank, self.dp_degree,
+                                                       poisson_steps, split)  # fmt: skip
+        except (FileNotFoundError, ValueError) as e:  # the data the config names is missing or does not fit it
+            raise ConfigError(f"{at(cfg, 'training.dataset')}: {e}") from e
+
+    def load_hf_weights(self, folder: str) -> None:
+        """The starting weights from a Hugging Face model folder (model only), on every rank, whatever the layout:
+        each rank reads the full tensors and keeps its shards."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        try:
+            state = self.train_spec.read_hf_fn(folder, self.model_args)
+        except (FileNotFoundError, ValueError) as e:
+            raise ConfigError(f"{at(self.job_config, 'checkpoint.initial_load_path')}: {e}") from e
+        set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True, strict=True))
+        if self.ema is not None:
+            self.ema.reset_to_model()
+        logger.info(f"initialized model from the Hugging Face folder {folder}")
 
     def build_model(self) -> torch.nn.Module:
         """Meta-device build, parallelize, then materialize and init_weights() on the device (sharded)."""
@@ -173,43 +199,11 @@ class Trainer:
         if self.job_config.job.print_config:
             logger.info("resolved config:\n" + to_toml(self.job_config))
 
-    def step_randomness(self, step: int, micro: int, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Timesteps, noise and label-drop mask of this rank's samples for one micro-batch, K = augmult
-        draws per sample (its rows consecutive): (batch K,), (batch K, C, H, W), (batch K,).
-
-        Drawn for the whole global micro-batch from a generator seeded by (seed, step), then sliced
-        by rank in the sampler's interleaved order, so a sample gets the same noise whatever the
-        number of ranks: 1 process and N processes at the same global batch see the same losses.
-        """
-        shape = (self.model_args.in_channels, self.model_args.input_size, self.model_args.input_size)
-        generator = torch.Generator(self.device).manual_seed(self.job_config.debug.seed * 1_000_003 + step)
-        world_micro, k = batch * self.dp_degree, self.augmult
-        total = world_micro * self.grad_accum_steps
-        t = self.diffusion.sample_timesteps(total * k, self.device, generator).view(total, k)
-        noise = torch.randn((total, k, *shape), device=self.device, generator=generator)
-        drop = torch.rand(total * k, device=self.device, generator=generator).view(total, k)
-        drop = drop < self.job_config.diffusion.class_dropout_prob
-        window = slice(micro * world_micro, (micro + 1) * world_micro)
-
-        def mine(draws: torch.Tensor) -> torch.Tensor:  # this rank's samples of this micro-batch
-            return draws[window][self.dp_rank :: self.dp_degree].flatten(0, 1)
-
-        return mine(t), mine(noise), mine(drop)
-
-    def forward_losses(self, x: torch.Tensor, y: torch.Tensor, step: int, micro: int):
-        """Per-sample losses (B,), or (B, K) with dp.augmult K: each sample's K draws in rows of one forward."""
-        t, noise, drop = self.step_randomness(step, micro, x.shape[0])
-        if self.augmult > 1:
-            x, y = x.repeat_interleave(self.augmult, 0), y.repeat_interleave(self.augmult, 0)
-        if self.model_args.num_classes > 0:
-            y = torch.where(drop, torch.full_like(y, self.model_args.num_classes), y)  # CFG's null class
-        else:
-            y = None
+    def forward_losses(self, x: torch.Tensor, y: torch.Tensor, step: int, micro: int) -> torch.Tensor:
+        """The objective's per-sample losses of one micro-batch, (B,) or (B, K) with dp.augmult K, under the compute
+        context (autocast, attention priority)."""
         with self.compute_context():
-            losses, t_frac = self.diffusion.training_losses(self.model, x, y, t=t, noise=noise)
-        if self.augmult > 1:
-            losses = losses.view(-1, self.augmult)
-        return losses, t_frac
+            return self.objective.losses(self.model, x, y, step, micro)
 
     @contextlib.contextmanager
     def compute_context(self):
@@ -239,7 +233,7 @@ class Trainer:
         dp.augmult K)."""
         x, y, mask = batch
         with self.tracked():
-            losses, _ = self.forward_losses(x, y, self.step, micro)
+            losses = self.forward_losses(x, y, self.step, micro)
         self.stage("forward")
         with self.tracked(), self.attention_context():
             if self.private is not None:
@@ -357,13 +351,42 @@ class Trainer:
                 self.log(out)
             if self.checkpointer.should_save(self.step, last):  # before the samples: a failing side feature
                 self.checkpointer.save(self.step, last=last)  # never costs the step's checkpoint
-            if self.samples.due(self.step, last):
+            if self.validation_loader is not None and (self.step % cfg.validation.freq == 0 or last):
+                self.validate()
+            if self.samples is not None and self.samples.due(self.step, last):
                 self.samples.write(self.model, self.ema, self.step, self.compute_context)
             self.profiler.step(self.step)
         self.checkpointer.wait()
         if cfg.checkpoint.enable:
             self.export_weights()
         logger.info("training done")
+
+    def validate(self) -> dict:
+        """Mean loss over `validation.steps` held-out micro-batches per rank (the same ones each time: the loader
+        restarts from its first state), averaged over the data-parallel ranks, and its perplexity for language
+        models; logged as `validation_loss` (`validation_perplexity`). Weights are the trained ones (not the EMA)."""
+        if not hasattr(self, "_validation_start"):
+            self._validation_start = self.validation_loader.state_dict()
+        self.validation_loader.load_state_dict(self._validation_start)
+        totals = torch.zeros(2, device=self.device, dtype=torch.float64)  # loss sum, samples
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for _ in range(self.job_config.validation.steps):
+                    x, y, *_ = next(self.validation_loader)
+                    losses = self.forward_losses(x.to(self.device), y.to(self.device), self.step, 0)
+                    losses = losses.mean(1) if losses.dim() == 2 else losses
+                    totals += torch.stack([losses.double().sum(), totals.new_tensor(losses.numel())])
+        finally:
+            self.model.train()
+        if dist.is_initialized():
+            dist.all_reduce(totals, group=self.parallel_dims.dp_group())
+        loss = (totals[0] / totals[1]).item()
+        metrics = {"validation_loss": loss}
+        if getattr(self.objective, "reports_perplexity", False):
+            metrics["validation_perplexity"] = math.exp(min(loss, 700.0))
+        self.metrics.log(self.step, metrics)
+        return metrics
 
     def export_weights(self) -> None:
         """ema.safetensors at the end of training: a side feature (the checkpoints hold the same weights), so a

@@ -77,7 +77,7 @@ def model_shape(config: str, extra: list[str]) -> tuple[int, int]:
     from torchtitan.train_spec import build_model_args, get_train_spec
 
     cfg = parse_args(["--job.config_file", config, *extra])
-    model_args = build_model_args(get_train_spec(cfg.model.name), cfg.model)
+    model_args = build_model_args(get_train_spec(cfg.model.name), cfg)
     return model_args.input_size, model_args.patch_size
 
 

@@ -43,8 +43,11 @@ def parse_case(text: str, config: str, nproc: int = 1) -> Run:
 
 
 def result_table(results: list[dict]) -> str:
-    """A markdown table of measured runs: batch, images/s, TFLOP/s, MFU, peak memory, median step time."""
-    header = "| case | batch | images/s | TFLOP/s | MFU % | peak mem GiB | step ms |\n|---|---|---|---|---|---|---|"
+    """A markdown table of measured runs: batch, images/s (tokens/s for language models), TFLOP/s, MFU, peak
+    memory, median step time."""
+    lm = any("tokens_per_second" in r for r in results)
+    unit = "tokens/s" if lm else "images/s"
+    header = f"| case | batch | {unit} | TFLOP/s | MFU % | peak mem GiB | step ms |\n|---|---|---|---|---|---|---|"
     rows = [header]
     for r in results:
         if r["status"] != "ok":
@@ -53,6 +56,7 @@ def result_table(results: list[dict]) -> str:
         tflops = f"{r['tflops']:.1f}" if "tflops" in r else "n/a"
         mfu = f"{r['mfu']:.1f}" if "mfu" in r else "n/a"
         mem = f"{r['memory_peak_active_gib']:.1f}" if "memory_peak_active_gib" in r else "n/a"
-        rows.append(f"| {r['name']} | {r['global_batch']} | {r['images_per_second']:.1f} | {tflops} | {mfu} | "
+        rate = f"{r['tokens_per_second']:,.0f}" if lm else f"{r['images_per_second']:.1f}"
+        rows.append(f"| {r['name']} | {r['global_batch']} | {rate} | {tflops} | {mfu} | "
                     f"{mem} | {1000 * r['step_time_s']:.1f} |")  # fmt: skip
     return "\n".join(rows)

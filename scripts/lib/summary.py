@@ -33,7 +33,7 @@ def warm_metrics(run_dir: Path, skip: int) -> dict:
         the warm steps (rank 0), or on CPU, where train.py logs no memory, the breakdown's largest "peak"
         (peak_memory_source says which); reserved_gib, the largest reserved memory. Keys without data are left out.
     """
-    warm = read_jsonl(Path(run_dir) / "metrics.jsonl")[skip:]
+    warm = [r for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if "loss" in r][skip:]  # not validation records
     out: dict = {"warm_steps": [r["step"] for r in warm]}
     times = [r["step_time_s"] for r in warm if "step_time_s" in r]
     if times:

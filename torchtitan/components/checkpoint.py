@@ -289,7 +289,7 @@ class CheckpointManager:
                 "checkpoints exist but none could be loaded, so the run does not start (it would train from scratch "
                 "and its pruning and saves would remove them):\n  " + "\n  ".join(failures)
             )
-        if self.config.initial_load_path:
+        if self.config.initial_load_path and not self.config.initial_load_in_hf:  # HF folders: Trainer.load_hf
             path = Path(self.config.initial_load_path)
             if not (path / ".metadata").is_file():
                 raise CheckpointLoadError(f"checkpoint.initial_load_path: {path} is not a complete checkpoint")

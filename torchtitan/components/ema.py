@@ -36,6 +36,12 @@ class EMA:
         torch._foreach_lerp_(self.shadow, sources, 1.0 - decay)
         self.num_updates += 1
 
+    @torch.no_grad()
+    def reset_to_model(self) -> None:
+        """The average restarts at the model's weights (after they were loaded from elsewhere)."""
+        for e, p in zip(self.shadow, self.params):
+            e.copy_(p.detach())
+
     @contextlib.contextmanager
     def swapped_in(self):
         """Temporarily puts the EMA weights into the model (for sampling), then restores the live ones."""

@@ -16,6 +16,10 @@ _NAMESPACED = {
     "grad_norm": "optim/grad_norm",
     "lr": "optim/lr",
     "images_per_second": "throughput/images_per_second",
+    "tokens_per_second": "throughput/tokens_per_second",
+    "sequences_per_second": "throughput/sequences_per_second",
+    "validation_loss": "loss/validation",
+    "validation_perplexity": "loss/validation_perplexity",
     "tflops": "throughput/tflops",
     "mfu": "throughput/mfu",
     "step_time_s": "time/step_s",
@@ -34,12 +38,15 @@ _SINK_NAMES = {"jsonl": "metrics.jsonl", "tb": "TensorBoard", "wandb": "wandb"}
 
 
 class ThroughputMeter:
-    """Step and data time over the window since the last log; images/s, TFLOP/s and MFU per GPU."""
+    """Step and data time over the window since the last log; images/s (tokens/s for language models), TFLOP/s and
+    MFU per GPU. `tokens_per_sample` > 0 reports sequences/s and tokens/s instead of images/s."""
 
-    def __init__(self, device: torch.device, flops_per_image: float, images_per_step: int, world_size: int):
+    def __init__(self, device: torch.device, flops_per_sample: float, samples_per_step: int, world_size: int,
+                 tokens_per_sample: int = 0):  # fmt: skip
         self.device = device
-        self.flops_per_image = flops_per_image
-        self.images_per_step = images_per_step
+        self.flops_per_sample = flops_per_sample
+        self.samples_per_step = samples_per_step
+        self.tokens_per_sample = tokens_per_sample
         self.world_size = world_size
         self.peak_flops = device_peak_flops(device)
         self.reset()
@@ -61,12 +68,18 @@ class ThroughputMeter:
         return out
 
     def rates(self, step_time_s: float) -> dict:
-        """What a step time means: images/s, and per GPU TFLOP/s and MFU (against the datasheet peak; none on CPU
-        or unknown GPUs). The one place MFU is computed: the trainer's logs and torchtitan.measure use it."""
-        images_per_second = self.images_per_step / step_time_s
-        out = {"images_per_second": images_per_second, "step_time_s": step_time_s}
+        """What a step time means: images/s (sequences/s and tokens/s), and per GPU TFLOP/s and MFU (against the
+        datasheet peak; none on CPU or unknown GPUs). The one place MFU is computed: the trainer's logs and
+        torchtitan.measure use it."""
+        samples_per_second = self.samples_per_step / step_time_s
+        if self.tokens_per_sample:
+            out = {"sequences_per_second": samples_per_second,
+                   "tokens_per_second": samples_per_second * self.tokens_per_sample}  # fmt: skip
+        else:
+            out = {"images_per_second": samples_per_second}
+        out["step_time_s"] = step_time_s
         if self.peak_flops is not None:
-            flops_per_gpu = self.flops_per_image * images_per_second / self.world_size
+            flops_per_gpu = self.flops_per_sample * samples_per_second / self.world_size
             out["tflops"] = flops_per_gpu / 1e12
             out["mfu"] = 100.0 * flops_per_gpu / self.peak_flops
         return out
@@ -125,13 +138,21 @@ class MetricsLogger:
 
     def _console_line(self, r: dict) -> str:
         c = (lambda code, s: f"\033[{code}m{s}\033[0m") if self.color else (lambda code, s: s)
+        if "loss" not in r:  # a validation record
+            parts = [c(31, f"step {r['step']:>6}"), c(32, f"validation loss {r['validation_loss']:.4f}")]
+            if "validation_perplexity" in r:
+                parts.append(c(32, f"perplexity {r['validation_perplexity']:.2f}"))
+            return "  ".join(parts)
         parts = [c(31, f"step {r['step']:>6}"), c(32, f"loss {r['loss']:.4f}")]
         if "dp_noised_grad_norm" in r:  # under DP: the norm of the clipped, noised gradient the optimizer applies
             parts.append(c(33, f"noised_grad_norm {r['dp_noised_grad_norm']:.3f}"))
         else:
             parts.append(c(33, f"grad_norm {r['grad_norm']:.3f}"))
         parts.append(f"lr {r['lr']:.2e}")
-        parts.append(c(36, f"images/s {r['images_per_second']:,.1f}"))
+        if "tokens_per_second" in r:
+            parts.append(c(36, f"tokens/s {r['tokens_per_second']:,.0f}"))
+        else:
+            parts.append(c(36, f"images/s {r['images_per_second']:,.1f}"))
         if "mfu" in r:
             parts.append(c(35, f"mfu {r['mfu']:.1f}% tflops {r['tflops']:.1f}"))
         parts.append(f"step {r['step_time_s'] * 1000:.0f}ms data {r['data_time_s'] * 1000:.1f}ms")

@@ -1,10 +1,10 @@
-"""Datasets (digits, dummy, image folder, CIFAR-10, latent shards) and the stateful distributed loader."""
+"""Datasets (digits, dummy, image folder, CIFAR-10, latent shards; text) and the stateful distributed loader."""
 
 from torch.utils.data import Dataset
 
 from torchtitan.datasets.loader import DiffusionDataLoader, PoissonDataLoader
 
-__all__ = ["DiffusionDataLoader", "PoissonDataLoader", "build_dataloader", "build_dataset"]
+__all__ = ["DiffusionDataLoader", "PoissonDataLoader", "build_dataloader", "build_dataset", "build_text_dataloader"]
 
 
 def build_dataset(training_config, model_args, latent_config=None) -> Dataset:
@@ -80,6 +80,33 @@ def build_dataloader(training_config, model_args, dp_rank: int, dp_world: int, s
     `latent_config` is the `[latent]` section, passed to `build_dataset`.
     """
     dataset = build_dataset(training_config, model_args, latent_config)
+    return _loader(dataset, training_config, dp_rank, dp_world, seed, poisson_steps)
+
+
+def build_text_dataloader(job_config, vocab_size: int, num_labels: int, dp_rank: int, dp_world: int,
+                          poisson_steps: int, split: str):  # fmt: skip
+    """A language model's loader: `training.dataset` ('stdlib', 'text', 'synthetic_classification') tokenized by
+    `model.tokenizer_path` and packed into windows of `training.seq_len`, for the split ('train' or 'validation').
+
+    Raises:
+        FileNotFoundError, ValueError: the tokenizer or data is missing or broken, or the tokenizer's vocabulary is
+            larger than the model's (`vocab_size`); the message names the key and value.
+    """
+    from torchtitan.datasets.text import build_text_dataset
+    from torchtitan.datasets.text_tokenizers import build_text_tokenizer
+
+    training = job_config.training
+    tokenizer = build_text_tokenizer(job_config.model.tokenizer_path, key="model.tokenizer_path")
+    if tokenizer.vocab_size > vocab_size:
+        raise ValueError(f"model.tokenizer_path {job_config.model.tokenizer_path!r} has {tokenizer.vocab_size:,} "
+                         f"tokens, more than the model's vocab_size {vocab_size:,} (model.flavor)")  # fmt: skip
+    dataset = build_text_dataset(training.dataset, training.dataset_path, tokenizer, training.seq_len, split,
+                                 num_labels=max(num_labels, 1), vocab_size=vocab_size if training.dataset ==
+                                 "synthetic_classification" else None, seed=job_config.debug.seed)  # fmt: skip
+    return _loader(dataset, training, dp_rank, dp_world, job_config.debug.seed, poisson_steps)
+
+
+def _loader(dataset: Dataset, training_config, dp_rank: int, dp_world: int, seed: int, poisson_steps: int):
     if poisson_steps:
         from torchtitan.dp.sampling import PoissonBatchSampler
 

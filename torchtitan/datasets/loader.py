@@ -85,9 +85,9 @@ class PoissonDataLoader:
         indices, mask = pad_batch(self.batch_sampler.batch(self.batch_sampler.step), self.padded_size)
         self.batch_sampler.step += 1
         items = [self.dataset[i] for i in indices]
-        images = torch.stack([image for image, _ in items])
-        labels = torch.tensor([int(label) for _, label in items], dtype=torch.long)
-        return images, labels, mask
+        inputs = torch.stack([x for x, _ in items])  # images, or token windows
+        labels = torch.stack([torch.as_tensor(label, dtype=torch.long) for _, label in items])  # (B,) or (B, T)
+        return inputs, labels, mask
 
     def state_dict(self) -> dict:
         return self.batch_sampler.state_dict()

@@ -1,3 +1,3 @@
 """Importing this package registers every built-in model's TrainSpec."""
 
-from torchtitan.models import dit  # noqa: F401
+from torchtitan.models import dit, llama3  # noqa: F401

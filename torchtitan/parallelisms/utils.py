@@ -113,13 +113,16 @@ def apply_ac(blocks: nn.ModuleDict, mode: str, selective_option: str, save_ops: 
                 f"{sum(wrapped)}/{len(blocks)} blocks")  # fmt: skip
 
 
-def apply_compile(model: nn.Module, mode: str = "default", scope: str = "block", fullgraph: bool = True) -> None:
-    """torch.compile in place each of `model.blocks`, or the whole model with scope 'model'.
+def apply_compile(model: nn.Module, mode: str = "default", scope: str = "block", fullgraph: bool = True,
+                  blocks: nn.ModuleDict | None = None) -> None:  # fmt: skip
+    """torch.compile in place each of the model's blocks (`blocks`, by default `model.blocks`), or the whole model
+    with scope 'model'.
 
     fullgraph: a graph break is a bug, not a slowdown; only DP-SGD's per-layer hooks break graphs on purpose.
     `Module.compile` keeps the parameter names.
     """
-    modules = list(model.blocks.values()) if scope == "block" else [model]
+    blocks = model.blocks if blocks is None else blocks
+    modules = list(blocks.values()) if scope == "block" else [model]
     for module in modules:
         module.compile(fullgraph=fullgraph, mode=None if mode == "default" else mode)
     what = f"{len(modules)} blocks" if scope == "block" else "the whole model"
@@ -152,3 +155,21 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh, compiled: bool) -> None:
     if compiled:
         torch._dynamo.config.optimize_ddp = "ddp_optimizer"
     replicate(model, device_mesh=mesh, bucket_cap_mb=100)
+
+
+def apply_data_parallel(model: nn.Module, blocks: list[nn.Module], parallel_dims, job_config, compiled: bool) -> None:
+    """The last step of every parallelize function: FSDP/HSDP (each of `blocks`, then the root) when the layout
+    shards, else DDP when it replicates, with the config's mixed precision and resharding."""
+    if parallel_dims.fsdp_enabled:
+        apply_fsdp(
+            model,
+            blocks=blocks,
+            mesh=parallel_dims.fsdp_mesh(),
+            param_dtype=torch_dtype(job_config.training.mixed_precision_param),
+            reduce_dtype=torch_dtype(job_config.training.mixed_precision_reduce),
+            reshard_after_forward=job_config.parallelism.fsdp_reshard_after_forward,
+        )
+        logger.info(f"applied {parallel_dims.mode.upper()} to the model")
+    elif parallel_dims.ddp_enabled:
+        apply_ddp(model, parallel_dims.mesh["dp_replicate"], compiled=compiled)
+        logger.info("applied DDP (replicate) to the model")

@@ -182,7 +182,7 @@ def head_saved_tensors(args: DiTArgs, kernels: frozenset[str] = frozenset()) -> 
     if args.learn_sigma:  # measured on CPU: the VLB term keeps about 16.5 image-sized fp32 tensors
         rows.append(SavedTensor("DDPM learned-sigma VLB term: ~16.5 x (B, C, H, W), fp32", 33 * image // 2, "fp32"))
     labels = 2 if args.num_classes > 0 else 0  # an int64 label is two fp32-sized elements
-    rows.append(SavedTensor("the returned loss and t (B,), fp32, and the labels (B,), int64", 2 + labels, "fp32"))
+    rows.append(SavedTensor("the returned per-sample loss (B,), fp32, and the labels (B,), int64", 1 + labels, "fp32"))
     return rows
 
 
@@ -383,7 +383,7 @@ def estimate_from_job_config(cfg, world_size: int = 1, device_type: str = "cuda"
     from torchtitan.parallelisms.parallel_dims import ParallelDims
     from torchtitan.train_spec import build_model_args, get_train_spec
 
-    args = build_model_args(get_train_spec(cfg.model.name), cfg.model)
+    args = build_model_args(get_train_spec(cfg.model.name), cfg)
     p = cfg.parallelism
     dims = ParallelDims(p.data_parallel_replicate_degree, p.data_parallel_shard_degree, world_size,
                         p.fsdp_single_device)  # fmt: skip

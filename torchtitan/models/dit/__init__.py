@@ -34,12 +34,48 @@ def get_flavor(flavor: str) -> DiTArgs:
     return replace(dit_configs[flavor])
 
 
+def build_dit_args(args: DiTArgs, job_config) -> DiTArgs:
+    """The flavor's args with the `[model]` overrides applied (0, -1 and None keep the flavor's value)."""
+    model_config = job_config.model
+    for name in ("input_size", "in_channels", "patch_size"):
+        if getattr(model_config, name) > 0:
+            setattr(args, name, getattr(model_config, name))
+    if model_config.num_classes >= 0:
+        args.num_classes = model_config.num_classes
+    if model_config.attn_window >= 0:
+        args.attn_window = model_config.attn_window
+    for name in ("pos_embed", "norm", "mlp", "qk_norm", "learn_sigma"):
+        if getattr(model_config, name) is not None:  # False overrides a flavor's True
+            setattr(args, name, getattr(model_config, name))
+    args.validate()
+    return args
+
+
+def _build_objective(job_config, model_args: DiTArgs, layout):
+    from torchtitan.diffusion.objective import DiffusionObjective
+
+    return DiffusionObjective(job_config.diffusion, model_args, layout)
+
+
+def _build_dataloader(job_config, model_args: DiTArgs, dp_rank: int, dp_world: int, poisson_steps: int, split: str):
+    from torchtitan.datasets import build_dataloader
+
+    assert split == "train", "the image datasets hold out no split (config_validation refuses [validation])"
+    return build_dataloader(job_config.training, model_args, dp_rank, dp_world, job_config.debug.seed, poisson_steps,
+                            job_config.latent)  # fmt: skip
+
+
 register_train_spec(
     TrainSpec(
         name="dit",
         model_cls=DiT,
         model_args=dit_configs,
+        build_model_args_fn=build_dit_args,
         parallelize_fn=parallelize_dit,
-        flops_per_image_fn=flops_per_image,
+        build_objective_fn=_build_objective,
+        build_dataloader_fn=_build_dataloader,
+        flops_per_sample_fn=lambda args, job_config: flops_per_image(args),
+        datasets=("digits", "dummy", "imagefolder", "cifar10", "latents"),
+        measure_overrides=("--training.dataset", "dummy", "--sampling.freq", "0"),  # no data to read, no grids
     )
 )

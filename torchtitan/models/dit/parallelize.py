@@ -8,15 +8,7 @@ FSDP shards last so its hooks sit outside the compiled code. Under DP-SGD compil
 from torch import nn
 
 from torchtitan.parallelisms.parallel_dims import ParallelDims
-from torchtitan.parallelisms.utils import (
-    apply_ac,
-    apply_compile,
-    apply_ddp,
-    apply_fsdp,
-    checkpointed_blocks,
-    torch_dtype,
-)
-from torchtitan.tools.logging import logger
+from torchtitan.parallelisms.utils import apply_ac, apply_compile, apply_data_parallel, checkpointed_blocks
 
 
 def parallelize_dit(model: nn.Module, parallel_dims: ParallelDims, job_config) -> nn.Module:
@@ -41,17 +33,5 @@ def parallelize_dit(model: nn.Module, parallel_dims: ParallelDims, job_config) -
         apply_ac(model.blocks, ac.mode, ac.selective_ac_option, save_ops=conversion.save_ops)
     if compiled and not job_config.dp.enable:
         apply_compile(model, compile_config.mode, compile_config.scope)
-    if parallel_dims.fsdp_enabled:
-        apply_fsdp(
-            model,
-            blocks=list(model.blocks.values()),
-            mesh=parallel_dims.fsdp_mesh(),
-            param_dtype=torch_dtype(job_config.training.mixed_precision_param),
-            reduce_dtype=torch_dtype(job_config.training.mixed_precision_reduce),
-            reshard_after_forward=job_config.parallelism.fsdp_reshard_after_forward,
-        )
-        logger.info(f"applied {parallel_dims.mode.upper()} to the model")
-    elif parallel_dims.ddp_enabled:
-        apply_ddp(model, parallel_dims.mesh["dp_replicate"], compiled=job_config.compile.enable)
-        logger.info("applied DDP (replicate) to the model")
+    apply_data_parallel(model, list(model.blocks.values()), parallel_dims, job_config, job_config.compile.enable)
     return model

@@ -1,0 +1,257 @@
+"""Hugging Face <-> TorchDiTan Llama 3 weights: LlamaForCausalLM and LlamaForSequenceClassification folders.
+
+Both sides use the "rotate half" RoPE layout (model.py's docstring), so wq and wk are copied as they are: no
+permutation of their rows, unlike TorchTitan's adapter for its complex (interleaved) layout. Hugging Face leaves
+`lm_head.weight` out of a tied checkpoint; ours always has `output.weight`, the same tensor as the embedding.
+"""
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from torchtitan.models.llama3.model import Llama3Args, RopeScaling
+
+# Our name -> Hugging Face's; "{}" is the layer index.
+_TOP_LEVEL = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "score.weight": "score.weight",
+}
+_PER_LAYER = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_OURS_TO_HF = {**_TOP_LEVEL, **{f"layers.{{}}.{ours}": f"model.layers.{{}}.{hf}" for ours, hf in _PER_LAYER.items()}}
+_HF_TO_OURS = {hf: ours for ours, hf in _OURS_TO_HF.items()}
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+# Buffers older transformers releases saved; recomputed by both sides.
+_IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _rename(key: str, table: dict[str, str]) -> str | None:
+    """Maps one key through `table`, whose keys may hold "{}" for the layer index; None when it has no match."""
+    match = _LAYER_INDEX.search(key)
+    if match is None:
+        return table.get(key)
+    template = table.get(key[: match.start()] + ".{}." + key[match.end() :])
+    return None if template is None else template.format(match.group(1))
+
+
+def from_hf(hf_state_dict: dict[str, torch.Tensor], args: Llama3Args) -> dict[str, torch.Tensor]:
+    """Hugging Face Llama weights -> our state dict (same tensors, renamed).
+
+    Raises:
+        ValueError: a key with no counterpart in our model, named.
+    """
+    ours = {}
+    for hf_key, tensor in hf_state_dict.items():
+        if hf_key.endswith(_IGNORED_HF_SUFFIXES):
+            continue
+        key = _rename(hf_key, _HF_TO_OURS)
+        if key is None:
+            raise ValueError(f"unexpected Hugging Face key {hf_key!r}: no Llama3 parameter maps to it")
+        ours[key] = tensor
+    if args.tie_embeddings and args.num_labels == 0 and "tok_embeddings.weight" in ours:
+        ours.setdefault("output.weight", ours["tok_embeddings.weight"])  # a tied HF checkpoint omits lm_head
+    return ours
+
+
+def to_hf(state_dict: dict[str, torch.Tensor], args: Llama3Args) -> dict[str, torch.Tensor]:
+    """Our state dict -> Hugging Face Llama names; `lm_head.weight` is left out when tied, as Hugging Face does.
+
+    Raises:
+        ValueError: a key with no Hugging Face counterpart, named.
+    """
+    hf = {}
+    for key, tensor in state_dict.items():
+        if key == "output.weight" and args.tie_embeddings:
+            continue
+        hf_key = _rename(key, _OURS_TO_HF)
+        if hf_key is None:
+            raise ValueError(f"key {key!r} has no Hugging Face Llama counterpart")
+        hf[hf_key] = tensor
+    return hf
+
+
+def _rope_scaling_from_hf(config: dict) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, rope_scaling) from transformers 5's `rope_parameters` or the older `rope_theta` +
+    `rope_scaling`."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind != "llama3":
+        raise ValueError(f"config.json: rope type {kind!r} is not supported (only 'default' and 'llama3')")
+    original = rope.get("original_max_position_embeddings", config.get("max_position_embeddings"))
+    scaling = RopeScaling(
+        factor=float(rope["factor"]),
+        low_freq_factor=float(rope["low_freq_factor"]),
+        high_freq_factor=float(rope["high_freq_factor"]),
+        original_max_position_embeddings=int(original),
+    )
+    return theta, scaling
+
+
+def args_from_hf_config(config: dict) -> Llama3Args:
+    """Llama3Args from a Hugging Face LlamaConfig's config.json (as a dict).
+
+    Raises:
+        ValueError: a setting our model cannot express (biases, another activation, another head_dim, another
+            RoPE type), named.
+    """
+    for key, expected in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+        if config.get(key, expected) != expected:
+            raise ValueError(f"config.json: {key}={config[key]!r} is not supported (Llama3 needs {expected!r})")
+    dim, n_heads = config["hidden_size"], config["num_attention_heads"]
+    if config.get("head_dim") not in (None, dim // n_heads):
+        raise ValueError(f"config.json: head_dim={config['head_dim']} is not hidden_size / num_attention_heads")
+    num_labels = 0
+    if any(arch.endswith("ForSequenceClassification") for arch in config.get("architectures") or []):
+        num_labels = len(config["id2label"]) if "id2label" in config else int(config.get("num_labels", 2))
+    rope_theta, rope_scaling = _rope_scaling_from_hf(config)
+    args = Llama3Args(
+        dim=dim,
+        n_layers=config["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=config.get("num_key_value_heads") or n_heads,
+        vocab_size=config["vocab_size"],
+        ffn_dim=config["intermediate_size"],
+        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_seq_len=config.get("max_position_embeddings", 2048),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)) and num_labels == 0,
+        num_labels=num_labels,
+    )
+    args.validate()
+    return args
+
+
+def hf_config_from_args(args: Llama3Args) -> dict:
+    """A config.json dict that transformers loads as a LlamaConfig (4.x and 5.x: the RoPE settings are written
+    both as 5.x's `rope_parameters` and as the older `rope_theta` + `rope_scaling`)."""
+    scaling = None
+    if args.rope_scaling is not None:
+        scaling = {"rope_type": "llama3", **vars(args.rope_scaling)}
+    rope_parameters = {"rope_type": "default", **(scaling or {}), "rope_theta": args.rope_theta}
+    config = {
+        "architectures": ["LlamaForSequenceClassification" if args.num_labels else "LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": args.dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.kv_heads,
+        "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size,
+        "intermediate_size": args.ffn_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": args.norm_eps,
+        "max_position_embeddings": args.max_seq_len,
+        "rope_theta": args.rope_theta,
+        "rope_scaling": scaling,
+        "rope_parameters": rope_parameters,
+        "tie_word_embeddings": args.tie_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": "float32",
+    }
+    if args.num_labels:
+        config["id2label"] = {str(i): f"LABEL_{i}" for i in range(args.num_labels)}
+        config["label2id"] = {f"LABEL_{i}": i for i in range(args.num_labels)}
+    return config
+
+
+def _read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's safetensors files: those the index names when sharded, else model.safetensors."""
+    from safetensors.torch import load_file
+
+    index_path = folder / "model.safetensors.index.json"
+    if index_path.exists():
+        shards = sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
+    else:
+        shards = ["model.safetensors"]
+    weights = {}
+    for shard in shards:
+        path = folder / shard
+        if not path.exists():
+            named_by = f" (named by {index_path.name})" if index_path.exists() else ""
+            raise FileNotFoundError(f"{path} is missing{named_by}")
+        weights.update(load_file(path))
+    return weights
+
+
+def read_hf_folder(folder: str | Path, args: Llama3Args) -> dict[str, torch.Tensor]:
+    """A Hugging Face Llama folder (config.json + safetensors) as our full state dict for a model of `args`, every
+    key and shape checked against that model (built on the meta device: nothing allocated).
+
+    Raises:
+        FileNotFoundError: config.json or a safetensors file is missing, named.
+        ValueError: config.json describes another architecture than `args`, or a key is unexpected, missing or of
+            another shape, named.
+    """
+    from torchtitan.models.llama3.model import Llama3
+
+    folder = Path(folder)
+    config_path = folder / "config.json"
+    if not config_path.exists():
+        raise FileNotFoundError(f"{config_path} is missing: not a Hugging Face model folder")
+    folder_args = args_from_hf_config(json.loads(config_path.read_text()))
+    for field in ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "ffn_dim", "num_labels", "tie_embeddings"):
+        ours, theirs = getattr(args, field), getattr(folder_args, field)
+        if ours != theirs:
+            raise ValueError(f"{config_path}: {field} is {theirs}, the model has {ours}")
+    state_dict = from_hf(_read_hf_weights(folder), args)
+    with torch.device("meta"):
+        expected = Llama3(args).state_dict()
+    missing = sorted(set(expected) - set(state_dict))
+    if missing:
+        raise ValueError(f"{folder}: missing weights for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    unexpected = sorted(set(state_dict) - set(expected))
+    if unexpected:
+        raise ValueError(f"{folder}: unexpected weights {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
+    for key, tensor in state_dict.items():
+        if tensor.shape != expected[key].shape:
+            raise ValueError(f"{folder}: {key} has shape {tuple(tensor.shape)}, the model {tuple(expected[key].shape)}")
+    return state_dict
+
+
+def load_hf_folder(folder: str | Path, model: nn.Module) -> None:
+    """Loads a Hugging Face Llama folder into a plain `model` in place (see read_hf_folder; the model's args must
+    describe the same architecture: build it from args_from_hf_config)."""
+    model.load_state_dict(read_hf_folder(folder, model.args))
+
+
+def save_hf_folder(model: nn.Module, args: Llama3Args, folder: str | Path, extra_config: dict | None = None) -> None:
+    """Writes config.json and model.safetensors that transformers' from_pretrained loads (LlamaForCausalLM, or
+    LlamaForSequenceClassification when args.num_labels > 0). Tensors are saved in their own dtype.
+
+    Args:
+        model: a Llama3 (its state_dict is saved).
+        args: the model's args.
+        folder: created if missing; config.json and model.safetensors are overwritten.
+        extra_config: config.json keys to add, such as bos_token_id, eos_token_id or pad_token_id (a classifier
+            needs pad_token_id for Hugging Face to take batches of more than one sequence).
+    """
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    # safetensors refuses tensors sharing memory, and wants them contiguous: copies of what to_hf keeps.
+    weights = {key: tensor.detach().contiguous().clone() for key, tensor in to_hf(model.state_dict(), args).items()}
+    config = hf_config_from_args(args)
+    config["torch_dtype"] = str(next(iter(weights.values())).dtype).removeprefix("torch.")
+    config.update(extra_config or {})
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
