@@ -89,20 +89,16 @@ def summarize(run: lib.Run, run_dir: Path, skip: int, found: dict | None) -> dic
     return row
 
 
-def _cell(value, fmt: str = "{}") -> str:
-    return "" if value is None else fmt.format(value)
-
-
 def format_table(rows: list[dict]) -> str:
     """The markdown table: one line per variant; empty cells where a run did not measure it."""
     lines = ["| variant | status | batch | peak mem GiB | max batch | step ms | images/s | final loss |",
              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         step = r.get("step_time_s")
-        lines.append(f"| {r['variant']} | {r['status']} | {_cell(r.get('batch'))} | "
-                     f"{_cell(r.get('peak_memory_gib'), '{:.2f}')} | {_cell(r.get('max_batch'))} | "
-                     f"{_cell(step and 1000 * step, '{:.1f}')} | {_cell(r.get('images_per_second'), '{:.1f}')} | "
-                     f"{_cell(r.get('final_loss'), '{:.4f}')} |")  # fmt: skip
+        lines.append(f"| {r['variant']} | {r['status']} | {lib.cell(r.get('batch'))} | "
+                     f"{lib.cell(r.get('peak_memory_gib'), '{:.2f}')} | {lib.cell(r.get('max_batch'))} | "
+                     f"{lib.cell(step and 1000 * step, '{:.1f}')} | {lib.cell(r.get('images_per_second'), '{:.1f}')} | "
+                     f"{lib.cell(r.get('final_loss'), '{:.4f}')} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -126,20 +122,14 @@ def parse_args(argv: list[str] | None):
 
 def main(argv: list[str] | None = None) -> int:
     args, extra = parse_args(argv)
-    grid = variants([int(w) for w in lib.words(args.windows)], args.combo_window)
-    if args.variants:
-        wanted = lib.words(args.variants)
-        unknown = sorted(set(wanted) - set(grid))
-        if unknown:
-            raise SystemExit(f"unknown variants {unknown}; known: {list(grid)}")
-        grid = {name: overrides for name, overrides in grid.items() if name in wanted}
+    grid = lib.select_variants(variants([int(w) for w in lib.words(args.windows)], args.combo_window), args.variants)
     output_dir = Path(args.output_dir)
     print(f"{len(grid)} variants of {args.flavor}, batch {args.batch}, {args.steps} steps each -> {output_dir}/")
     rows = []
     for name, overrides in grid.items():
         run, run_dir = variant_run(name, overrides, args, extra), output_dir / name
         if args.dry_run:
-            print(f"{name}: {shlex.join(lib.train_command(run, run_dir))}")
+            print(f"{name}: {lib.command_line(run, run_dir)}")
             continue
         status = lib.execute(run, run_dir, args.timeout or None, args.force)["status"]
         found = max_batch(name, overrides, args, extra) if args.max_batch and status in ("ok", "OOM") else None

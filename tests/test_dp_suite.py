@@ -1,8 +1,10 @@
 """The DP experiment suites (scripts/dp/): tiny real runs whose JSON agrees with their run folders, failures
-recorded, the largest-batch search, the shell wrappers, and the plots and summary of visualize."""
+recorded, the largest-batch search, the shell wrappers, the plots and summary of visualize, and the Llama 3 FSDP
+suite (--model llama3: its runs' flags, one tiny point over two processes)."""
 
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -17,7 +19,9 @@ from PIL import Image
 import scripts.lib.runner
 from scripts.dp import run_dp_suite, run_fsdp_suite, visualize
 from tests.conftest import ROOT, read_metrics
+from torchtitan.config_manager import parse_args
 from torchtitan.models.dit import DiT, dit_configs
+from torchtitan.models.llama3 import Llama3, llama3_configs
 from torchtitan.tools.batch_size_finder import Probe
 
 GIB = 1024**3
@@ -226,3 +230,78 @@ def test_visualize_writes_plots_and_a_summary_that_matches_the_json(suite_a, sui
         assert float(row["memory x"]) == pytest.approx(result["memory_ratio"], abs=5e-3)
     assert rows[("dp", "vanilla", 4)]["status"] == "OOM" and rows[("dp", "vanilla", 4)]["peak GiB"] == ""
     assert "| vanilla | >= 2 |" in (tmp_path / "summary.txt").read_text()  # the max-batch table
+
+
+def train_flags(command: str) -> list[str]:
+    """The train.py arguments of a run's command line."""
+    words = shlex.split(command)
+    return words[words.index("train.py") + 1 :]
+
+
+def test_llama3_suite_dry_run_builds_the_runs_of_the_origin_document(capsys):
+    argv = ["--model", "llama3", "--nproc", "4", "--dry-run", "--output-dir", "/tmp/llama3_suite_dry", "--optimizer.lr",
+            "3e-4"]  # fmt: skip
+    assert run_fsdp_suite.main(argv) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "_bs" in line.split(":")[0]]
+    commands = dict(line.split(": ", 1) for line in lines)
+    assert list(commands) == [f"{m}_t{t}_bs2" for t in (1024, 2048, 4096) for m in run_fsdp_suite.MODES]
+    for name, command in commands.items():
+        mode, seq_len = name.split("_t")[0], int(name.split("_t")[1].split("_")[0])
+        assert "--nproc_per_node=4" in command and "--model.input_size" not in command
+        flags = train_flags(command)
+        assert flags[-2:] == ["--optimizer.lr", "3e-4"]  # the user's flags last, so they win
+        cfg = parse_args(flags)  # what the trainer will run
+        assert (cfg.model.name, cfg.model.flavor, cfg.model.num_classes) == ("llama3", "Llama-3.1-8B", 2)
+        assert (cfg.training.dataset, cfg.training.seq_len, cfg.training.local_batch_size) == (
+            "synthetic_classification", seq_len, 2)  # fmt: skip
+        assert cfg.parallelism.data_parallel_shard_degree == 4 and cfg.parallelism.data_parallel_replicate_degree == 1
+        assert cfg.dp.enable is (mode != "no_dp") and (mode == "no_dp" or cfg.dp.mode == mode)
+        assert cfg.compile.enable is False and cfg.optimizer.lr == 3e-4 and cfg.profiling.enable_memory_breakdown
+    opts = SimpleNamespace(model="llama3", flavor=None, config=None, tokens="1024", batch_sizes="2", output_dir=None,
+                           modes="ghost", nproc=2)  # fmt: skip
+    points, _ = run_fsdp_suite.plan(opts, [])
+    assert [p["mode"] for p in points] == ["no_dp", "ghost"]  # the baseline joins
+    assert (points[1]["input_size"], points[1]["seq_len"], points[1]["tokens"]) == (None, 1024, 1024)
+    with pytest.raises(SystemExit, match="max_seq_len 256"):  # refused before any run starts
+        run_fsdp_suite.main(["--model", "llama3", "--flavor", "debugmodel", "--tokens", "512", "--dry-run"])
+
+
+def test_llama3_suite_shell_wrapper_leaves_the_model_defaults_to_python():
+    env = {**os.environ, "PYTHON": sys.executable, "MODEL": "llama3", "NPROC": "8", "FLAVOR": "Llama-3.2-3B",
+           "TOKENS": "2048", "OUTPUT_DIR": "/tmp/llama3_suite_dry"}  # fmt: skip
+    env.pop("BATCH_SIZES", None)
+    env.pop("CONFIG", None)
+    out = subprocess.run(["bash", "scripts/dp/run_fsdp_suite.sh", "--dry-run", "--dp.noise_multiplier", "0.5"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stdout.splitlines() if "_bs" in line.split(":")[0]]
+    assert [line.split(":")[0] for line in lines] == [f"{m}_t2048_bs2" for m in run_fsdp_suite.MODES]
+    for line in lines:
+        flags = " ".join(train_flags(line.split(": ", 1)[1]))
+        assert "--job.config_file train_configs/llama3_1b.toml" in flags and "--model.flavor Llama-3.2-3B" in flags
+        assert "--training.seq_len 2048 --training.local_batch_size 2" in flags and flags.endswith("0.5")
+        assert "--nproc_per_node=8" in line and "--parallelism.data_parallel_shard_degree 8" in flags
+
+
+@pytest.mark.slow
+def test_llama3_suite_runs_a_tiny_point_over_two_processes(tmp_path):
+    argv = ["--model", "llama3", "--flavor", "debugmodel", "--tokens", "16", "--batch-sizes", "2", "--nproc", "2",
+            "--modes", "no_dp", "--output-dir", str(tmp_path), *RUN]  # fmt: skip
+    assert run_fsdp_suite.main(argv) == 0
+    result = load(tmp_path, "no_dp_t16_bs2")
+    assert result["status"] == "ok" and "--nproc_per_node=2" in result["command"]
+    assert (result["model"], result["flavor"], result["seq_len"], result["input_size"]) == ("llama3", "debugmodel", 16,
+                                                                                           None)  # fmt: skip
+    warm = read_metrics(Path(result["run_dir"]))[2:]
+    assert result["warm_steps"] == [3, 4] and "images_per_second" not in result
+    assert result["tokens_per_second"] == pytest.approx(statistics.median(m["tokens_per_second"] for m in warm))
+    records = json.loads((Path(result["run_dir"]) / "memory_breakdown.json").read_text())["records"]  # rank 0's
+    assert result["memory_breakdown"]["records"] == records
+    args = replace(llama3_configs["debugmodel"], num_labels=2)
+    with torch.device("meta"):
+        full_model = 4 * sum(p.numel() for p in Llama3(args).parameters())  # fp32: CPU runs train in float32
+    assert full_model / 2 <= records[0]["parameters"] < 0.6 * full_model  # one FSDP shard of the classifier
+    summary = visualize.write_summary([result], None, tmp_path / "summary.txt").read_text()
+    header, _, row = summary.splitlines()[2:5]
+    cells = dict(zip(header.strip("|").split("|"), row.strip("|").split("|")))
+    assert float(cells[" tokens/s "]) == pytest.approx(result["tokens_per_second"], abs=0.5)

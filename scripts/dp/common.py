@@ -14,7 +14,9 @@ Its run folder lies under `<output dir>/runs/<name>/`; the suite then writes `<o
   where train.py logs no memory, the largest "peak" of the memory breakdown (peak_memory_source says which);
 - memory_breakdown: the records of the run's memory_breakdown.json (rank 0), whatever stages and parts
   it holds, and breakdown_at_peak, the record of largest total;
-- time_ratio and memory_ratio against the non-private run ("vanilla" / "no_dp") of the same batch and tokens.
+- time_ratio and memory_ratio against the non-private run ("vanilla" / "no_dp") of the same batch and tokens;
+- language models (the FSDP suite's `--model llama3`): model, flavor and seq_len among the knobs (input_size is
+  None), and `warm_metrics`' medians of tokens_per_second and sequences_per_second instead of images_per_second.
 """
 
 import argparse
@@ -48,7 +50,8 @@ def suite_run(knobs: dict, config: str, steps: int, breakdown_steps: int, extra:
 
     Args:
         knobs: suite ("dp": one process, suite a; "fsdp": FSDP over nproc processes, suite b), mode (NON_PRIVATE
-            or a dp.mode), batch (local), input_size (pixels or latent cells a side), tokens, nproc.
+            or a dp.mode), batch (local), input_size (pixels or latent cells a side), tokens, nproc; for a language
+            model seq_len (training.seq_len) instead of input_size.
         breakdown_steps: steps the memory breakdown records (0: off, as the batch finder's probes run).
     """
     k = knobs
@@ -57,7 +60,11 @@ def suite_run(knobs: dict, config: str, steps: int, breakdown_steps: int, extra:
     breakdown = ["--profiling.enable_memory_breakdown", str(breakdown_steps > 0).lower()]
     if breakdown_steps > 0:
         breakdown += ["--profiling.memory_breakdown_steps", str(breakdown_steps)]
-    args = ["--job.config_file", config, *private, "--model.input_size", str(k["input_size"]),
+    if k.get("seq_len") is not None:
+        size = ["--training.seq_len", str(k["seq_len"])]
+    else:
+        size = ["--model.input_size", str(k["input_size"])]
+    args = ["--job.config_file", config, *private, *size,
             "--training.local_batch_size", str(k["batch"]), "--training.global_batch_size=-1",
             "--training.steps", str(steps), "--metrics.log_freq", "1",
             "--parallelism.data_parallel_replicate_degree", "1",
@@ -65,10 +72,13 @@ def suite_run(knobs: dict, config: str, steps: int, breakdown_steps: int, extra:
     return Run(name, [*args, *extra], k["nproc"], knobs=k)
 
 
-def suite_knobs(suite: str, mode: str, batch: int, input_size: int, tokens: int, nproc: int = 1) -> dict:
-    """The knobs of one suite point, as its result JSON reports them."""
+def suite_knobs(suite: str, mode: str, batch: int, input_size: int | None, tokens: int, nproc: int = 1,
+                **model) -> dict:  # fmt: skip
+    """The knobs of one suite point, as its result JSON reports them; `model` adds a language model's (model,
+    flavor, seq_len)."""
     return {"suite": suite, "mode": mode, "private": mode not in NON_PRIVATE, "batch": batch,
-            "global_batch": batch * nproc, "tokens": tokens, "input_size": input_size, "nproc": nproc}  # fmt: skip
+            "global_batch": batch * nproc, "tokens": tokens, "input_size": input_size, "nproc": nproc,
+            **model}  # fmt: skip
 
 
 def model_shape(config: str, extra: list[str]) -> tuple[int, int]:

@@ -9,9 +9,10 @@ first folder):
 - memory_timeline.png: per run, the parts at every recorded stage in order (step:stage), stacked, and the
   peak since the previous stage;
 - tradeoff.png: step time against peak memory, one point per run;
-- fsdp_scaling.png and fsdp_overhead.png (FSDP suite): peak memory and step time against tokens, and both
-  as ratios to no_dp;
-- summary.txt: one table row per run, and the largest batch per mode when it was searched.
+- fsdp_scaling.png and fsdp_overhead.png (FSDP suite): peak memory and step time against tokens (per image, or
+  the sequence length of the Llama 3 suite), and both as ratios to no_dp;
+- summary.txt: one table row per run (tokens/s for language models where DiTs have images/s), and the largest
+  batch per mode when it was searched.
 Whatever stages and memory parts the breakdowns hold are shown; none is assumed.
 """
 
@@ -31,6 +32,8 @@ from torchtitan.tools.memory_breakdown import stacked_bars  # noqa: E402
 MODE_ORDER = ("vanilla", "no_dp", "ghost", "flash", "bookkeeping", "flash_bookkeeping")
 COLUMNS = ("suite", "mode", "tokens", "batch", "nproc", "status", "peak GiB", "step ms", "images/s", "time x",
            "memory x", "DP buffers GiB", "peak stage")  # fmt: skip
+# Language-model runs (knob seq_len: the FSDP suite's --model llama3) report tokens/s where a DiT reports images/s.
+RATE_COLUMNS = ("images/s", "tokens/s")
 
 
 def load_results(folders: list[Path]) -> tuple[list[dict], dict | None]:
@@ -166,6 +169,9 @@ def plot_fsdp(results: list[dict], folder: Path) -> list[Path]:
         "fsdp_scaling.png": (("peak_memory_gib", "peak memory (GiB, rank 0)"), ("step_time_s", "step time (s)")),
         "fsdp_overhead.png": (("memory_ratio", "peak memory / no_dp"), ("time_ratio", "step time / no_dp")),
     }
+    xlabel = "tokens per image"
+    if any(is_language_model(r) for r in rows):
+        xlabel = "sequence length (tokens)" if all(is_language_model(r) for r in rows) else "tokens per sample"
     written = []
     for name, keys in panels.items():
         fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
@@ -178,7 +184,7 @@ def plot_fsdp(results: list[dict], folder: Path) -> list[Path]:
                 ax.plot([r["tokens"] for r in mine], [r[key] for r in mine], "o-", label=f"{mode} (bs {batch}x{nproc})")
             if key.endswith("ratio"):
                 ax.axhline(1.0, color="gray", linewidth=0.8)
-            ax.set_xlabel("tokens per image")
+            ax.set_xlabel(xlabel)
             ax.set_ylabel(label)
             if ax.get_legend_handles_labels()[0]:
                 ax.legend(fontsize=7)
@@ -193,14 +199,30 @@ def _fmt(value, spec: str, scale: float = 1.0) -> str:
     return "" if value is None else format(value * scale, spec)
 
 
-def summary_row(r: dict) -> list[str]:
-    """One table row; the columns are COLUMNS."""
+def is_language_model(r: dict) -> bool:
+    """Whether a result is a language model's run (its knobs hold a sequence length)."""
+    return r.get("seq_len") is not None
+
+
+def columns_for(results: list[dict]) -> list[str]:
+    """COLUMNS, with tokens/s instead of images/s when every run is a language model's (beside it when mixed)."""
+    columns = list(COLUMNS)
+    if any(is_language_model(r) for r in results):
+        at = columns.index("images/s")
+        columns[at : at + 1] = ["tokens/s"] if all(is_language_model(r) for r in results) else list(RATE_COLUMNS)
+    return columns
+
+
+def summary_row(r: dict, columns: list[str] | tuple[str, ...] = COLUMNS) -> list[str]:
+    """One table row in `columns` (COLUMNS, or `columns_for` the results)."""
     at_peak = r.get("breakdown_at_peak")
     stage = f"{at_peak['step']}:{at_peak['stage']}" if at_peak else ""
-    return [r["suite"], r["mode"], str(r["tokens"]), str(r["batch"]), str(r["nproc"]), r["status"],
+    cells = dict(zip(COLUMNS, [r["suite"], r["mode"], str(r["tokens"]), str(r["batch"]), str(r["nproc"]), r["status"],
             _fmt(r.get("peak_memory_gib"), ".3f"), _fmt(r.get("step_time_s"), ".1f", 1000),
             _fmt(r.get("images_per_second"), ".1f"), _fmt(r.get("time_ratio"), ".2f"),
-            _fmt(r.get("memory_ratio"), ".2f"), _fmt(r.get("dp_buffers_peak_gib"), ".3f"), stage]  # fmt: skip
+            _fmt(r.get("memory_ratio"), ".2f"), _fmt(r.get("dp_buffers_peak_gib"), ".3f"), stage]))  # fmt: skip
+    cells["tokens/s"] = _fmt(r.get("tokens_per_second"), ".0f")
+    return [cells[c] for c in columns]
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
@@ -212,7 +234,7 @@ def write_summary(results: list[dict], max_batch: dict | None, path: Path) -> Pa
     """summary.txt: the runs' table (ratios against the non-private run of the same batch and tokens)."""
     text = ["DP suites: peak memory, average warm step time, and ratios to non-private training "
             "(vanilla / no_dp) at the same batch and tokens.", "",
-            markdown_table(list(COLUMNS), [summary_row(r) for r in results])]  # fmt: skip
+            markdown_table(columns_for(results), [summary_row(r, columns_for(results)) for r in results])]  # fmt: skip
     if max_batch:
         rows = []
         for mode, entry in max_batch["modes"].items():

@@ -7,16 +7,20 @@ because the trainer's max-batch finder launches runs too. This package adds what
   extras last) and `execute` (runs it through `launch_command` and tee.py, writes train.log and status.json,
   skips runs already ok), `parse_script_args` (its options, and the train.py flags passed through),
   `parallelism` (replicate/shard degrees -> "single"/"ddp"/"fsdp"/"hsdp", the trainer's names);
-- summary.py: `warm_metrics`, the medians of a run folder's warm steps and its peak memory;
+- summary.py: `warm_metrics`, the medians of a run folder's warm steps and its peak memory, and
+  `breakdown_records`, its memory breakdown by stage;
 - batch_search.py: `batch_probe`, `search` and `find_max_batch`, the package's finder over executed runs;
+- lab.py: what the labs share: `select_variants` (the --variants option), `command_line` (a dry run's line,
+  the run's environment first) and `cell` (a table cell, empty where nothing was measured);
 - here: cases written on a command line (`parse_case`) and the table scripts/benchmark.py prints;
 - ablation_grid.sh: the shell side of the ablation grids, whose variables scripts/run_ablations_*.sh set.
-The ablation grids, the DP suites and the attention lab build their runs as `Run`s and use nothing else.
+The ablation grids, the DP suites, the attention lab and the memory lab build their runs as `Run`s and use nothing else.
 """
 
 import shlex
 
 from scripts.lib.batch_search import batch_probe, device_memory_gib, find_max_batch, search
+from scripts.lib.lab import cell, command_line, select_variants
 from scripts.lib.runner import (
     already_done,
     execute,
@@ -27,13 +31,13 @@ from scripts.lib.runner import (
     words,
     write_status,
 )
-from scripts.lib.summary import GIB, read_jsonl, warm_metrics
+from scripts.lib.summary import GIB, breakdown_records, read_jsonl, warm_metrics
 from torchtitan.tools.runs import Run, RunResult, launch, launch_command, warm_summary
 
-__all__ = ["GIB", "Run", "RunResult", "already_done", "batch_probe", "device_memory_gib", "execute",
-           "find_max_batch", "launch", "launch_command", "parallelism", "parse_case", "parse_script_args",
-           "read_jsonl", "read_status", "result_table", "search", "train_command", "warm_metrics", "warm_summary",
-           "words", "write_status"]  # fmt: skip
+__all__ = ["GIB", "Run", "RunResult", "already_done", "batch_probe", "breakdown_records", "cell", "command_line",
+           "device_memory_gib", "execute", "find_max_batch", "launch", "launch_command", "parallelism", "parse_case",
+           "parse_script_args", "read_jsonl", "read_status", "result_table", "search", "select_variants",
+           "train_command", "warm_metrics", "warm_summary", "words", "write_status"]  # fmt: skip
 
 
 def parse_case(text: str, config: str, nproc: int = 1) -> Run:

@@ -7,8 +7,9 @@ from pathlib import Path
 from torchtitan.tools.runs import warm_summary
 
 GIB = 1024**3
-# Per-step rates whose median the summary reports (mfu and tflops exist on GPUs only).
-RATES = ("images_per_second", "mfu", "tflops")
+# Per-step rates whose median the summary reports (tokens and sequences for language models; mfu and tflops exist
+# on GPUs only).
+RATES = ("images_per_second", "tokens_per_second", "sequences_per_second", "mfu", "tflops")
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -29,11 +30,13 @@ def warm_metrics(run_dir: Path, skip: int) -> dict:
     Returns:
         warm_steps (their step numbers); the median step_time_s (with its min, max and count, as
         torchtitan.tools.runs' `warm_summary` gives them) and the medians of images_per_second, mfu and
-        tflops, a stray slow step does not move them; peak_memory_gib, the largest `memory_peak_active_gib` of
+        tflops (tokens_per_second and sequences_per_second for language models), a stray slow step does not
+        move them; peak_memory_gib, the largest `memory_peak_active_gib` of
         the warm steps (rank 0), or on CPU, where train.py logs no memory, the breakdown's largest "peak"
         (peak_memory_source says which); reserved_gib, the largest reserved memory. Keys without data are left out.
     """
-    warm = [r for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if "loss" in r][skip:]  # not validation records
+    records = read_jsonl(Path(run_dir) / "metrics.jsonl")
+    warm = [r for r in records if "validation_loss" not in r][skip:]  # training steps, not validation records
     out: dict = {"warm_steps": [r["step"] for r in warm]}
     times = [r["step_time_s"] for r in warm if "step_time_s" in r]
     if times:
@@ -46,16 +49,24 @@ def warm_metrics(run_dir: Path, skip: int) -> dict:
     if peaks:
         out.update(peak_memory_gib=max(peaks), peak_memory_source="metrics.jsonl (warm steps, rank 0)")
     else:
-        out.update(_breakdown_peak(Path(run_dir) / "memory_breakdown.json"))
+        out.update(_breakdown_peak(run_dir))
     reserved = [r["memory_peak_reserved_gib"] for r in warm if "memory_peak_reserved_gib" in r]
     if reserved:
         out["reserved_gib"] = max(reserved)
     return out
 
 
-def _breakdown_peak(path: Path) -> dict:
-    """The largest "peak" of a memory breakdown (bytes per record) in GiB, or {} without one."""
-    records = json.loads(path.read_text())["records"] if path.is_file() else []
+def breakdown_records(run_dir: Path) -> list[dict]:
+    """The records of a run's memory_breakdown.json (rank 0; [] without one): step, stage ("init", "forward",
+    "backward", "optimizer_step", "zero_grad"), bytes per part, "total", "peak" since the previous record
+    (torchtitan/tools/memory_breakdown.py)."""
+    path = Path(run_dir) / "memory_breakdown.json"
+    return json.loads(path.read_text())["records"] if path.is_file() else []
+
+
+def _breakdown_peak(run_dir: Path) -> dict:
+    """The largest "peak" of a run's memory breakdown (bytes per record) in GiB, or {} without one."""
+    records = breakdown_records(run_dir)
     if not records:
         return {}
     peak = max(r["peak"] for r in records) / GIB

@@ -16,6 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+try:  # FlexAttention (torch >= 2.5): the sliding window's fused kernel on CUDA
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+except ImportError:  # an older torch: the dense mask everywhere
+    BlockMask = create_block_mask = flex_attention = None
+
 
 @dataclass
 class RopeScaling:
@@ -142,6 +147,47 @@ def sliding_window_mask(seq_len: int, window: int, device: torch.device) -> torc
     return (offset >= 0) & (offset < window)
 
 
+_block_masks: dict[tuple, "BlockMask"] = {}  # (T, window, device) -> BlockMask: a build evaluates all T x T pairs
+_compiled_flex_attention = None  # built on first use: torch.compile at import would cost every process seconds
+
+
+def sliding_window_block_mask(seq_len: int, window: int, device: torch.device) -> "BlockMask":
+    """The FlexAttention BlockMask of `sliding_window_mask`, cached per (T, window, device). Blocks of 128 x 128
+    tokens wholly outside the band are skipped: the kernel's work grows with T x window, not T x T."""
+    key = (seq_len, window, str(device))
+    if key not in _block_masks:
+
+        def sliding_window(b, h, q, k):
+            return (q >= k) & (q - k < window)
+
+        _block_masks[key] = create_block_mask(sliding_window, None, None, seq_len, seq_len, device=device)
+    return _block_masks[key]
+
+
+def window_mask(seq_len: int, window: int, device: torch.device) -> "torch.Tensor | BlockMask":
+    """The mask sliding-window attention takes: a FlexAttention BlockMask on CUDA (when this torch has FlexAttention),
+    the dense (T, T) boolean mask elsewhere (FlexAttention has no CPU backward)."""
+    if device.type == "cuda" and flex_attention is not None:
+        return sliding_window_block_mask(seq_len, window, device)
+    return sliding_window_mask(seq_len, window, device)
+
+
+def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: "BlockMask",
+                       grouped: bool) -> torch.Tensor:  # fmt: skip
+    """FlexAttention of q (B, nh, T, hd) over k, v (B, nkv, T, hd) -> (B, nh, T, hd); GQA reads each kv head once.
+
+    A fused kernel only when compiled (its eager path materializes the (B, nh, T, T) scores), so eager CUDA blocks
+    call a compiled copy, as TorchTitan and our DiT do; compiled blocks trace it. Elsewhere (a CPU test) it runs
+    eagerly, forward only.
+    """
+    global _compiled_flex_attention
+    if torch.compiler.is_compiling() or not q.is_cuda:
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=grouped)
+    if _compiled_flex_attention is None:
+        _compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex_attention(q, k, v, block_mask=block_mask, enable_gqa=grouped)
+
+
 class Attention(nn.Module):
     """Causal grouped-query attention with RoPE; n_heads / n_kv_heads query heads share each key/value head."""
 
@@ -153,8 +199,9 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """x (B, T, D), freqs_cis (T, hd/2, 2), mask None (causal) or (T, T) boolean -> (B, T, D)."""
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask=None) -> torch.Tensor:
+        """x (B, T, D), freqs_cis (T, hd/2, 2), mask None (causal), a (T, T) boolean or a FlexAttention BlockMask
+        (`window_mask`) -> (B, T, D)."""
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, nh, hd)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, nkv, hd)
@@ -165,6 +212,8 @@ class Attention(nn.Module):
         if mask is None:
             # enable_gqa lets the flash kernels read each kv head once instead of a repeated copy.
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
+        elif not isinstance(mask, torch.Tensor):  # a BlockMask: only the blocks of the band are computed
+            out = windowed_attention(q, k, v, mask, grouped)
         else:
             # A dense mask rules the flash backend out and the memory-efficient one has no GQA: repeat kv heads.
             if grouped:
@@ -198,8 +247,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_dim)
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """x (B, T, D) -> (B, T, D)."""
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask=None) -> torch.Tensor:
+        """x (B, T, D) -> (B, T, D); mask as Attention takes it."""
         h = x + self.attention(self.attention_norm(x), freqs_cis, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -272,7 +321,7 @@ class Llama3(nn.Module):
             raise ValueError(f"sequence length {T} exceeds max_seq_len {self.args.max_seq_len}")
         h = self.tok_embeddings(tokens)  # (B, T, D)
         freqs_cis = self.freqs_cis[:T]
-        mask = sliding_window_mask(T, self.args.attn_window, tokens.device) if self.args.attn_window else None
+        mask = window_mask(T, self.args.attn_window, tokens.device) if self.args.attn_window else None
         for layer in self.layers.values():
             h = layer(h, freqs_cis, mask)
         if self.args.num_labels > 0:
