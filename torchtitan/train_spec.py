@@ -30,6 +30,7 @@ class Objective(Protocol):
     """What a model family trains for: one loss per sample, so DP-SGD and per-sample logging work unchanged."""
 
     tokens_per_sample: int  # > 0: the logs add tokens/s (language models); 0 for images
+    reports_perplexity: bool  # validation logs exp(mean loss) too (next-token prediction)
 
     def losses(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, step: int, micro: int) -> torch.Tensor:
         """Per-sample losses (B,) of one micro-batch, or (B, K) with augmult K."""

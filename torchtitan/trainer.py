@@ -87,6 +87,8 @@ class Trainer:
         poisson_steps = cfg.training.steps if cfg.dp.enable and cfg.dp.sampling == "poisson" else 0
         self.dataloader = self.build_dataloader(poisson_steps, "train")
         self.validation_loader = self.build_dataloader(0, "validation") if cfg.validation.enable else None
+        # Every validation reads the same held-out batches: the loader restarts from its first state.
+        self.validation_start = self.validation_loader.state_dict() if self.validation_loader is not None else None
         self.private = None
         if cfg.dp.enable:
             self.private = PrivateTraining(cfg.dp, self.model, len(self.dataloader.dataset), self.global_batch,
@@ -365,9 +367,7 @@ class Trainer:
         """Mean loss over `validation.steps` held-out micro-batches per rank (the same ones each time: the loader
         restarts from its first state), averaged over the data-parallel ranks, and its perplexity for language
         models; logged as `validation_loss` (`validation_perplexity`). Weights are the trained ones (not the EMA)."""
-        if not hasattr(self, "_validation_start"):
-            self._validation_start = self.validation_loader.state_dict()
-        self.validation_loader.load_state_dict(self._validation_start)
+        self.validation_loader.load_state_dict(self.validation_start)
         totals = torch.zeros(2, device=self.device, dtype=torch.float64)  # loss sum, samples
         self.model.eval()
         try:
@@ -383,7 +383,7 @@ class Trainer:
             dist.all_reduce(totals, group=self.parallel_dims.dp_group())
         loss = (totals[0] / totals[1]).item()
         metrics = {"validation_loss": loss}
-        if getattr(self.objective, "reports_perplexity", False):
+        if self.objective.reports_perplexity:
             metrics["validation_perplexity"] = math.exp(min(loss, 700.0))
         self.metrics.log(self.step, metrics)
         return metrics

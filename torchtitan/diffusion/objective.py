@@ -16,6 +16,7 @@ class DiffusionObjective:
     """
 
     tokens_per_sample = 0
+    reports_perplexity = False
 
     def __init__(self, diffusion_config, model_args, layout):
         self.diffusion = build_diffusion(diffusion_config, model_args.learn_sigma)
