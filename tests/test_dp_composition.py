@@ -100,6 +100,12 @@ def test_compiled_and_checkpointed_dit_matches_torch_func(ac, mode):
 
 
 @parent_only
+def test_whole_model_compiled_with_ac_matches_torch_func():
+    """compile.scope = 'model' around checkpointed blocks: the only graph break is the root's token pre-hook."""
+    _check_step([*COMPILE, "--compile.scope", "model", *AC["full"]], "bookkeeping", "model compiled, AC full", steps=2)
+
+
+@parent_only
 @pytest.mark.parametrize("ac", ["op", "every_2nd"])
 def test_checkpointed_dit_matches_torch_func(ac):
     """Selective AC without compile (full AC eagerly: tests/test_dp_engine.py)."""

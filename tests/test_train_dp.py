@@ -169,10 +169,6 @@ def test_dp_with_activation_checkpointing_matches_without(tmp_path):
     [
         (["--dp.mode", "ghost", "--activation_checkpoint.mode", "selective"], "per-op selective AC"),
         (["--model.converters", "fused_norm,float8"], "no per-sample gradient"),
-        (
-            ["--compile.enable", "true", "--compile.scope", "model", "--activation_checkpoint.mode", "full"],
-            "compile.scope = 'block'",
-        ),
         (["--dp.sampling", "poisson", "--training.local_batch_size", "8"], "no gradient accumulation"),
     ],
 )

@@ -289,10 +289,6 @@ def _check_dp(cfg, errors: list[str]) -> None:
                       "backpropagates twice, and per-op selective AC keeps its saved tensors for one backward only; "
                       "use a book-keeping mode (dp.mode = 'flash_bookkeeping'), full AC, or every k-th block "
                       "(selective_ac_option = '2')")  # fmt: skip
-    if cfg.compile.enable and cfg.compile.scope == "model" and ac.mode != "none":
-        errors.append(f"{keys_in(cfg, 'dp.enable', 'compile.scope', 'activation_checkpoint.mode')}: under DP-SGD the "
-                      "per-layer hooks break the compiled graph, which a checkpointed block inside a compiled model "
-                      "cannot hold (the blocks would run uncompiled); use compile.scope = 'block'")  # fmt: skip
 
 
 def validate_layout(cfg, world_size: int, device_type: str) -> None:

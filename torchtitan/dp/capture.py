@@ -1,47 +1,57 @@
-"""What each clipped layer sees: its input in the forward, its output gradient in the backward.
+"""What each clipped layer sees, captured inside the traced graph: its input, and its output gradient.
 
-A forward hook on every module that owns a trainable parameter keeps the module's input and
-routes its output through `_Tap`, an identity autograd function that also takes a shared
-0-dim `token`. Backpropagating to the token alone (`torch.autograd.grad(loss, token)`) then
-visits every tap, handing each layer its output gradient, while autograd skips every weight
-gradient: no `.grad` is written and no weight-gradient matmul runs. The same graph can then be
-backpropagated again normally (ghost clipping's second pass), where the taps are identities.
+Every module that owns a trainable parameter gets a subclass of its own class (`DP<Name>`, the way FSDP2 wraps
+classes) whose forward runs the layer rule's functional forward, with the parameters detached, and routes the output
+through `_Tap`, an autograd function that also takes the model's per-row `token` and the layer's key. `_Tap`'s
+backward hands the layer's input and output gradient to one custom op, `torchtitan_dp::layer_backward`, whose
+result is the token's gradient: the layer's per-sample squared gradient norms. So `torch.autograd.grad(sum_i L_i,
+token)` returns the per-sample squared norms summed over every layer, while the custom op passes each layer's input
+and output gradient to the engine (book-keeping keeps them; ghost clipping's second pass turns them into weight
+gradients). Autograd computes no weight gradient at all: the parameters are detached inside their modules.
 
-On the first step the hooks also record which autograd nodes each module call created, so that
-`check_param_usage` can prove every use of a parameter happened inside its own module.
+Nothing here is a Python-side hook on a traced path: the tap, the detached forward and the token are ordinary
+traced code, and the custom op is opaque to the compiler, which calls it like a kernel. A compiled block is one
+graph with or without DP. The token is made by a forward pre-hook on the root module, outside any compiled block,
+for each forward with grad enabled: a (rows,) float32 leaf, rows being the leading dim of the model's first input.
 """
 
 import collections
-import functools
+import itertools
 
 import torch
 from torch import nn
 
 from torchtitan.dp.layers import LayerRule, find_layer_rule
 
+_RECORDS: dict[int, "LayerRecord"] = {}  # key -> record: how the custom op finds its layer
+_KEYS = itertools.count()
+_CAPTURED_CLASSES: dict[type, type] = {}
+
 
 class LayerRecord:
     """One module with trainable parameters and what the current step captured from it."""
 
-    def __init__(self, name: str, module: nn.Module, rule: LayerRule, params: dict[str, nn.Parameter]):
+    def __init__(self, name: str, module: nn.Module, rule: LayerRule, params: dict[str, nn.Parameter],
+                 capture: "LayerCapture"):  # fmt: skip
         self.name = name
         self.module = module
         self.rule = rule
         self.param_names = tuple(params)
         self.params = params  # as registered now (the sharded DTensors under FSDP)
-        self.x: torch.Tensor | None = None  # the input of this step's call
+        self.capture = capture
+        self.key = next(_KEYS)
+        self.x: torch.Tensor | None = None  # the input of this step's call (book-keeping keeps it)
         self.grad: torch.Tensor | None = None  # the output gradient (book-keeping keeps it)
+        self.grads: dict[str, torch.Tensor] | None = None  # ghost clipping's second pass: the weight gradients
         self.state: dict = {}  # what the rule's norm_sq left for its grads, this step
-        self.forward_params: dict[str, torch.Tensor] = {}  # the tensors the call used (unsharded under FSDP)
-        self.owned_nodes: set | None = None  # autograd nodes the call created (first step only)
-        self.output_node = None  # grad_fn of the call's output (first step only)
+        self.seen = False  # the norm pass reached this layer this step
 
     def clear(self) -> None:
-        self.x = self.grad = self.owned_nodes = self.output_node = None
-        self.forward_params, self.state = {}, {}
+        self.x = self.grad = self.grads = None
+        self.state, self.seen = {}, False
 
 
-def build_records(model: nn.Module) -> list[LayerRecord]:
+def build_records(model: nn.Module, capture: "LayerCapture") -> list[LayerRecord]:
     """A record per module with trainable parameters; raises for anything the engine cannot clip."""
     records = []
     for module_name, module in model.named_modules():
@@ -49,11 +59,19 @@ def build_records(model: nn.Module) -> list[LayerRecord]:
         if not params:
             continue
         label = f"{module_name or '<root>'} ({type(module).__name__})"
-        rule = find_layer_rule(module)
-        if rule is None:
+        found = find_layer_rule(module)
+        if found is None:
             raise NotImplementedError(
                 f"DP-SGD has no per-sample gradient rule for module {label}, which has trainable parameters "
                 f"{list(params)}; freeze them or register a rule with torchtitan.dp.register_layer_rule"
+            )
+        ruled_class, rule = found
+        if type(module).forward is not ruled_class.forward:
+            # The engine runs the rule's forward (of the ruled class) instead of the module's: an overriding
+            # forward would be skipped.
+            raise NotImplementedError(
+                f"module {label} overrides {ruled_class.__name__}.forward, which DP-SGD runs as its rule's functional "
+                f"forward; register a rule for {type(module).__name__} with torchtitan.dp.register_layer_rule"
             )
         unknown = sorted(set(params) - set(rule.param_names))
         if unknown:
@@ -62,7 +80,7 @@ def build_records(model: nn.Module) -> list[LayerRecord]:
             rule.check(module)
         except NotImplementedError as e:
             raise NotImplementedError(f"module {label}: {e}") from e
-        records.append(LayerRecord(module_name, module, rule, params))
+        records.append(LayerRecord(module_name, module, rule, params, capture))
     uses = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False) if p.requires_grad)
     shared = [n for n, p in model.named_parameters() if uses[id(p)] > 1]
     if shared:
@@ -71,67 +89,88 @@ def build_records(model: nn.Module) -> list[LayerRecord]:
     return records
 
 
+@torch.library.custom_op("torchtitan_dp::layer_backward", mutates_args=())
+def layer_backward(x: torch.Tensor, grad: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """The layer of `key` got output gradient `grad` for input `x`: (rows,) float32, its share of the token's gradient.
+
+    Opaque to the compiler (a compiled backward calls it like a kernel), so the engine's Python runs here at run time.
+    """
+    record = _RECORDS[int(key)]
+    on_grad = record.capture.on_grad
+    if on_grad is None:  # a plain .backward() of a DP model's loss: the layer adds nothing
+        return grad.new_zeros(grad.shape[0], dtype=torch.float32)
+    return on_grad(record, x, grad)
+
+
+@layer_backward.register_fake
+def _(x, grad, key):
+    return grad.new_empty(grad.shape[0], dtype=torch.float32)
+
+
 class _Tap(torch.autograd.Function):
-    """Identity on a layer's output whose backward hands the output gradient to the capture."""
+    """Identity on a layer's output; its backward gives the token the layer's per-sample squared norms."""
 
     @staticmethod
-    def forward(ctx, out, token, capture, record):
-        ctx.capture, ctx.record = capture, record
+    def forward(ctx, out, x, token, key):
+        ctx.save_for_backward(x, key)
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad):
-        if ctx.capture.on_grad is not None:
-            ctx.capture.on_grad(ctx.record, grad)
-        return grad, None, None, None
+        x, key = ctx.saved_tensors
+        return grad, None, torch.ops.torchtitan_dp.layer_backward(x, grad, key), None
+
+
+def _captured_forward(self, *args, **kwargs):
+    """The forward of every captured module: the rule's forward on detached parameters, then the tap."""
+    token = self._dp_capture.token
+    if token is None or not torch.is_grad_enabled():  # eval, or a forward the engine did not start
+        return self._dp_base.forward(self, *args, **kwargs)
+    rule = self._dp_rule
+    x = args[0] if args else next(iter(kwargs.values()))
+    if rule.cast_input and x.is_floating_point() and torch.is_autocast_enabled(x.device.type):
+        # What autocast does inside the call, done before it: the tap keeps the tensor the matmul reads.
+        x = x.to(torch.get_autocast_dtype(x.device.type))
+        args, kwargs = ((x, *args[1:]), kwargs) if args else ((x,), {})
+    out = rule.forward(self, *args, **kwargs)
+    if not isinstance(out, torch.Tensor):
+        raise NotImplementedError(f"{type(self).__name__} must return one tensor for DP-SGD")
+    return _Tap.apply(out, x if rule.keep_input else x.new_empty(0), token, self._dp_key)
+
+
+def _captured_class(cls: type) -> type:
+    if cls not in _CAPTURED_CLASSES:
+        _CAPTURED_CLASSES[cls] = type(f"DP{cls.__name__}", (cls,), {"forward": _captured_forward, "_dp_base": cls})
+    return _CAPTURED_CLASSES[cls]
 
 
 class LayerCapture:
-    """Installs the hooks on a model's clipped modules and holds what one step captured."""
+    """Makes a model's clipped modules capture what the engine needs, and holds what one step captured."""
 
     def __init__(self, model: nn.Module):
-        self.records = build_records(model)
+        self.records = build_records(model, self)
         self.token: torch.Tensor | None = None
-        self.on_grad = None  # set by the engine during its norm pass; None: taps are identities
-        self.track_graph = True  # record the autograd nodes of each call (for check_param_usage)
-        self._handles = [r.module.register_forward_hook(self._hook(r), with_kwargs=True) for r in self.records]
-        # Every record gets the pre-hook: under torch.compile its graph break comes before the call,
-        # so each hooked module runs eagerly and its autograd nodes are its own.
-        self._handles += [
-            r.module.register_forward_pre_hook(functools.partial(_pre_hook, r.rule.cast_input), with_kwargs=True)
-            for r in self.records
-        ]
+        self.on_grad = None  # set by the engine during its passes: (record, x, grad) -> (rows,) float32
+        for record in self.records:
+            module = record.module
+            _RECORDS[record.key] = record
+            module._dp_capture, module._dp_rule = self, record.rule
+            # A tensor, not an int: a compiled block's graph then serves every block (ints would be guarded on).
+            module._dp_key = torch.tensor(record.key)
+            module.__class__ = _captured_class(type(module))
+        self._handle = model.register_forward_pre_hook(self._start, with_kwargs=True)
 
-    def _hook(self, record: LayerRecord):
-        # Side effects on Python objects do not survive tracing: under torch.compile the hook runs
-        # eagerly, a graph break around each hooked module.
-        @torch.compiler.disable
-        def forward_hook(module, args, kwargs, output):
-            # Eval forwards need nothing; a forward inside a backward is activation checkpointing
-            # recomputing, whose output values equal the ones already captured.
-            if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
-                return None
-            if record.x is not None:
-                raise RuntimeError(
-                    f"module {record.name} ran twice before DPEngine.backward(): a module must run once per "
-                    "forward, and each forward must be followed by engine.backward()"
-                )
-            x = args[0] if args else next(iter(kwargs.values()))
-            if not isinstance(output, torch.Tensor):
-                raise NotImplementedError(f"module {record.name} must return one tensor for DP-SGD")
-            record.x = x.detach() if record.rule.keep_input else x.new_empty(0)
-            if self.track_graph:
-                record.forward_params = {n: getattr(module, n) for n in record.param_names}
-                record.owned_nodes = _nodes_of_call(output, (*args, *kwargs.values()))
-                record.output_node = output.grad_fn
-            if self.token is None:
-                self.token = torch.zeros((), device=output.device, requires_grad=True)
-            return _Tap.apply(output, self.token, self, record)
-
-        return forward_hook
-
-    def captured(self) -> list[LayerRecord]:
-        return [r for r in self.records if r.x is not None]
+    @torch.compiler.disable
+    def _start(self, module, args, kwargs):
+        """A new token per forward with grad enabled (outside compiled code, so autograd can backpropagate to it)."""
+        self.token = None
+        if not torch.is_grad_enabled():
+            return None
+        first = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), None)
+        if first is None:
+            raise ValueError("DP-SGD needs a tensor input whose leading dim is the batch")
+        self.token = torch.zeros(first.shape[0], device=first.device, dtype=torch.float32, requires_grad=True)
+        return None
 
     def reset(self) -> None:
         for r in self.records:
@@ -139,76 +178,31 @@ class LayerCapture:
         self.token = None
 
     def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        """Gives every module its own class and forward back."""
+        self._handle.remove()
+        for record in self.records:
+            module = record.module
+            module.__class__ = module._dp_base
+            del module._dp_capture, module._dp_rule, module._dp_key
+            _RECORDS.pop(record.key, None)
+        self.records = []
 
 
-@torch.compiler.disable
-def _pre_hook(cast_input: bool, module, args, kwargs):
-    # Casting is what autocast would do inside the call, done before it: autograd then saves the
-    # same tensor the forward hook keeps, instead of a cast copy next to our full-precision one.
-    x = args[0] if args else None
-    if not cast_input or not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        return None
-    device = x.device.type
-    if not torch.is_autocast_enabled(device) or x.dtype == torch.get_autocast_dtype(device):
-        return None
-    return (x.to(torch.get_autocast_dtype(device)), *args[1:]), kwargs
+def outside_uses(losses: torch.Tensor, token: torch.Tensor) -> list[torch.Tensor]:
+    """Every leaf tensor autograd would reach from `losses` other than the token.
 
-
-def _nodes_of_call(output: torch.Tensor, inputs: tuple) -> set:
-    """Autograd nodes between a module call's output and its inputs: what the call created."""
-    stop = {t.grad_fn for t in inputs if isinstance(t, torch.Tensor) and t.grad_fn is not None}
-    seen, stack = set(), [output.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen or node in stop:
-            continue
-        seen.add(node)
-        stack.extend(nxt for nxt, _ in node.next_functions)
-    return seen
-
-
-def check_param_usage(root: torch.Tensor, records: list[LayerRecord], token: torch.Tensor) -> None:
-    """Raises if a trainable parameter reaches the loss other than through its own module's call.
-
-    Walks the whole autograd graph once. Every leaf that receives a gradient must be a parameter
-    that a hook saw, and every operation that combines it with anything else must be one its
-    module's call created. Pure functions of the parameter (autocast's cached casts, transposes)
-    are followed through, so a use of the cached copy elsewhere is caught too.
+    Inside their modules the parameters are detached, so a parameter that gets a gradient from the losses was used
+    outside its module (or is an input that requires grad). Compiled graphs link every parameter they read, used or
+    not: the candidates' gradients, not the graph, decide.
     """
-    consumers, seen, stack = collections.defaultdict(list), {root.grad_fn}, [root.grad_fn]
+    seen, stack, leaves = {losses.grad_fn}, [losses.grad_fn], []
     while stack:
         node = stack.pop()
+        variable = getattr(node, "variable", None)  # only AccumulateGrad nodes carry one
+        if variable is not None and variable is not token:
+            leaves.append(variable)
         for nxt, _ in node.next_functions:
-            if nxt is None:
-                continue
-            consumers[nxt].append(node)
-            if nxt not in seen:
+            if nxt is not None and nxt not in seen:
                 seen.add(nxt)
                 stack.append(nxt)
-    owner = {id(t): (r, n) for r in records for n, t in r.forward_params.items()}
-    for leaf in seen:
-        variable = getattr(leaf, "variable", None)  # only AccumulateGrad nodes carry one
-        if variable is None or variable is token:
-            continue
-        if id(variable) not in owner:
-            raise RuntimeError(
-                f"a trainable tensor of shape {tuple(variable.shape)} gets a gradient outside every clipped module "
-                "call (a parameter used outside its module, or an input that requires grad); DP-SGD cannot clip it"
-            )
-        record, name = owner[id(variable)]
-        chain, frontier = {leaf}, [leaf]
-        while frontier:
-            for user in consumers[frontier.pop()]:
-                if user in chain or user is record.output_node:
-                    continue  # the module's output (an embedding's is a function of its weight alone)
-                if all(nxt is None or nxt in chain for nxt, _ in user.next_functions):
-                    chain.add(user)  # a function of the parameter alone: follow its users
-                    frontier.append(user)
-                elif user not in record.owned_nodes:
-                    raise RuntimeError(
-                        f"parameter '{record.name}.{name}' is used outside its module (by {user.name()}); "
-                        "DP-SGD's per-layer rules would miss that part of its gradient"
-                    )
+    return leaves

@@ -7,7 +7,8 @@ batch size. Modes differ only in how they get there:
 
 - "ghost": two backward passes. The first computes per-sample norms layer by layer from the
   layer inputs and output gradients (ghost norms, Li et al., 2021) without any weight gradient;
-  the second is a normal backward of sum_i c_i L_i / B.
+  the second, a backward of sum_i c_i L_i / B, forms each layer's weight gradients from its input
+  and output gradient.
 - "bookkeeping": one backward that keeps every layer's output gradient, then each weight
   gradient as one matmul A^T diag(c) G (book-keeping, Bu et al., 2023).
 - "flash" / "flash_bookkeeping": the same with the Triton norm kernels of flash_kernels.py.
@@ -22,7 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchtitan.dp import distributed as dpdist
-from torchtitan.dp.capture import LayerCapture, LayerRecord, check_param_usage
+from torchtitan.dp.capture import LayerCapture, LayerRecord, outside_uses
 from torchtitan.dp.noise import add_gaussian_noise_
 
 DP_MODES = ("vanilla", "ghost", "flash", "bookkeeping", "flash_bookkeeping")
@@ -32,12 +33,21 @@ _FLASH = ("flash", "flash_bookkeeping")
 _WRAPPER_NAMES = re.compile(r"(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module)\.")
 
 
+def _per_row(norm_sq: torch.Tensor, group: int) -> torch.Tensor:
+    """(B,) per-sample values as the token's (B K,) rows: sample i's at row i K, zeros in its other K - 1 rows."""
+    if group == 1:
+        return norm_sq
+    rows = norm_sq.new_zeros(norm_sq.shape[0], group)
+    rows[:, 0] = norm_sq
+    return rows.view(-1)
+
+
 class DPEngine:
     """Differentially private backward for a model (plain, FSDP2/HSDP, or DDP `replicate`).
 
-    Build it after the model is parallelized and before the first forward: it hooks every module
-    that owns a trainable parameter, and refuses (NotImplementedError naming the module) a module
-    it has no per-sample rule for. Frozen parameters are skipped.
+    Build it after the model is parallelized and compiled, before the first forward: it captures every
+    module that owns a trainable parameter (capture.py), and refuses (NotImplementedError naming the
+    module) a module it has no per-sample rule for. Frozen parameters are skipped.
 
     Args:
         model: the model, already wrapped by fully_shard / replicate if distributed.
@@ -76,13 +86,21 @@ class DPEngine:
         self._sharded = any(isinstance(p, DTensor) for _, p in self._params)
         self._ddp = dpdist.is_ddp(model)
         self._capture = LayerCapture(model) if mode != "vanilla" else None
-        if mode in _TWO_PASS:
+        # Compiled parts in the model: their backwards may reuse a buffer's memory after its last use, so the layer
+        # inputs and output gradients book-keeping keeps are copied there.
+        self._compiled = any(
+            getattr(m, "_compiled_call_impl", None) is not None or type(m).__name__ == "OptimizedModule"
+            for m in model.modules()
+        )
+        if mode != "vanilla":
             # Ghost clipping backpropagates through the graph twice (retain_graph=True), which compiled backwards
-            # that donate their buffers refuse; set before the first forward compiles anything.
+            # that donate their buffers refuse, and a donated saved tensor's memory may be reused while book-keeping
+            # still holds the layer input; set before the first forward compiles anything.
             import torch._functorch.config
 
             torch._functorch.config.donated_buffer = False
-        self._captured: frozenset[str] = frozenset()  # modules the first step's hooks saw
+        self._captured: frozenset[str] | None = None  # modules the first step's norm pass reached
+        self._check_uses = True  # the first step checks that no parameter is used outside its module
         self._group = 1  # augmult K of the backward in progress: rows per sample
         self._norm_sq: torch.Tensor | None = None  # the norms being summed (a DP buffer, for the breakdown)
 
@@ -129,60 +147,110 @@ class DPEngine:
         capture = self._capture
         token = capture.token
         if token is None or losses.grad_fn is None:
-            raise RuntimeError("DPEngine.backward() needs the losses of a forward run with grad enabled")
+            raise RuntimeError(
+                "DPEngine.backward() needs the losses of a forward of the model the engine was built on, run with grad "
+                "enabled"
+            )
+        if token.shape[0] != losses.shape[0] * self._group:
+            raise RuntimeError(
+                f"the model's forward ran on {token.shape[0]} rows for {losses.shape[0]} samples x K = {self._group} "
+                "(augmult: the forward must run on B * K rows, each sample's K draws consecutive)"
+            )
         try:
-            captured = frozenset(r.name for r in capture.captured())
-            if capture.track_graph:  # first step: prove no parameter is used outside its module
-                check_param_usage(losses, capture.records, token)
-                capture.track_graph = False
+            norms = self._norm_pass(losses, token)
+            captured = frozenset(r.name for r in capture.records if r.seen)
+            if self._captured is None:
                 self._captured = captured
-            elif captured != self._captured:  # later steps: the hooks must keep seeing the same layers
+            elif captured != self._captured:  # later steps: the same layers must reach the loss
                 raise RuntimeError(
-                    f"DP hooks saw different modules than on the first step: missing "
+                    f"DP capture saw different modules than on the first step: missing "
                     f"{sorted(self._captured - captured)}, new {sorted(captured - self._captured)}"
                 )
-            norms = self._norm_pass(losses, token)
             if on_norms is not None:
                 on_norms()
             coef = (self.max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
             if keep is not None:
                 coef = coef * keep
             if self.mode in _TWO_PASS:
-                self._plain_backward((losses * coef).sum(), batch)
+                self._grad_pass((losses * (coef / batch)).sum(), token)
+                self._write_grads(None)
             else:
-                self._bookkeeping_grads(coef / batch)
+                self._write_grads(coef / batch)
         finally:
             capture.reset()
             self._norm_sq = None
         return norms
 
     def _norm_pass(self, losses: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-        """First backward: per-sample norms from every layer's input and output gradient."""
-        flash, two_pass = self.mode in _FLASH, self.mode in _TWO_PASS
-        norm_sq = self._norm_sq = torch.zeros(losses.shape[0], device=losses.device, dtype=torch.float32)
-        group = self._group
-        rows = losses.shape[0] * group
+        """First backward: per-sample norms from every layer's input and output gradient, summed in the token's
+        gradient; book-keeping keeps each layer's input and output gradient."""
+        flash, two_pass, copy = self.mode in _FLASH, self.mode in _TWO_PASS, self._compiled
+        group, samples = self._group, losses.shape[0]
 
-        def on_grad(record: LayerRecord, grad: torch.Tensor) -> None:
-            if grad.shape[0] != rows:
+        def on_grad(record: LayerRecord, x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+            if record.seen:
                 raise RuntimeError(
-                    f"module {record.name} saw {grad.shape[0]} rows for {losses.shape[0]} samples x K = {group} "
-                    "(augmult: the forward must run on B * K rows, each sample's K draws consecutive)"
+                    f"module {record.name} ran twice in one forward: a module must run once per forward, and each "
+                    "forward must be followed by engine.backward()"
                 )
+            record.seen = True
             rule = record.rule
-            norm_sq.add_(rule.norm_sq(record.module, record.x, grad, record.param_names, flash, group, record.state))
+            norm_sq = rule.norm_sq(record.module, x, grad, record.param_names, flash, group, record.state)
             if two_pass:
-                record.x, record.state = None, {}  # the second pass is a normal backward: free the input now
+                record.state = {}  # the second pass computes the weight gradients afresh
             else:
-                record.grad = grad
+                # A compiled backward may reuse the memory of its buffers once the op returns: keep copies there.
+                record.x, record.grad = (x.clone(), grad.clone()) if copy else (x, grad)
+            return _per_row(norm_sq, group)
+
+        inputs = [token]
+        if self._check_uses:  # first step: prove no parameter is used outside its module
+            inputs += outside_uses(losses, token)
+        self._capture.on_grad = on_grad
+        try:
+            grads = torch.autograd.grad(losses.sum(), inputs, retain_graph=two_pass, allow_unused=True)
+        finally:
+            self._capture.on_grad = None
+        if self._check_uses:
+            self._raise_outside_uses([t for t, g in zip(inputs[1:], grads[1:]) if g is not None])
+            self._check_uses = False
+        if grads[0] is None:
+            raise RuntimeError("the losses do not depend on any clipped layer of this step's forward")
+        norm_sq = self._norm_sq = grads[0].view(samples, group).sum(1)
+        return norm_sq.sqrt()
+
+    def _grad_pass(self, weighted_sum: torch.Tensor, token: torch.Tensor) -> None:
+        """Ghost clipping's second backward, of sum_i c_i L_i / B: each layer's weight gradients from its input and
+        output gradient, kept for `_write_grads`."""
+        group = self._group
+
+        def on_grad(record: LayerRecord, x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+            record.grads = record.rule.grads(record.module, x, grad, None, record.param_names, group, {})
+            return grad.new_zeros(grad.shape[0], dtype=torch.float32)
 
         self._capture.on_grad = on_grad
         try:
-            # Only the token is asked for, so autograd skips every weight gradient.
-            torch.autograd.grad(losses.sum(), token, retain_graph=two_pass, allow_unused=True)
+            torch.autograd.grad(weighted_sum, token, allow_unused=True)
         finally:
             self._capture.on_grad = None
-        return norm_sq.sqrt()
+
+    def _raise_outside_uses(self, used: list[torch.Tensor]) -> None:
+        if not used:
+            return
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        for record in self._capture.records:  # under FSDP the forward used the unsharded tensors
+            for n in record.param_names:
+                names.setdefault(id(getattr(record.module, n)), f"{record.name}.{n}")
+        known = [names[id(t)] for t in used if id(t) in names]
+        if known:
+            raise RuntimeError(
+                f"parameter '{_WRAPPER_NAMES.sub('', known[0])}' is used outside its module; DP-SGD's per-layer rules "
+                "would miss that part of its gradient"
+            )
+        raise RuntimeError(
+            f"a trainable tensor of shape {tuple(used[0].shape)} gets a gradient outside every clipped module call "
+            "(a parameter used outside its module, or an input that requires grad); DP-SGD cannot clip it"
+        )
 
     def _plain_backward(self, loss_sum: torch.Tensor, batch) -> None:
         """loss_sum / B backpropagated so that .grad ends up summed over ranks and divided by B."""
@@ -205,18 +273,21 @@ class DPEngine:
         else:
             (loss_sum / batch).backward()
 
-    def _bookkeeping_grads(self, scale: torch.Tensor) -> None:
-        """sum_i scale_i g_i per parameter as one matmul per layer, reduced over ranks."""
+    def _write_grads(self, scale: torch.Tensor | None) -> None:
+        """sum_i scale_i g_i per parameter, reduced over ranks, into .grad: book-keeping's one matmul per layer from
+        the kept input and output gradient, or (scale None) the gradients ghost clipping's second pass left."""
         plain = []
         sharded = dpdist.ShardedGradReducer()
         # Every record, captured or not, in a fixed order: ranks must issue the same collectives.
         for record in self._capture.records:
-            if record.x is not None and record.grad is not None:
+            if record.grads is not None:
+                grads = record.grads
+            elif record.x is not None and record.grad is not None:
                 grads = record.rule.grads(record.module, record.x, record.grad, scale, record.param_names,
                                           self._group, record.state)  # fmt: skip
             else:  # the layer did not reach the loss on this rank
                 grads = {n: None for n in record.param_names}
-            record.x = record.grad = None  # free the layer's activations as soon as its grads exist
+            record.x = record.grad = record.grads = None  # free the layer's activations as soon as its grads exist
             record.state = {}
             for name, grad in grads.items():
                 param = record.params[name]
@@ -259,11 +330,14 @@ class DPEngine:
         """The engine's own memory now.
 
         That is the norms being summed and, in book-keeping modes, every layer's kept output gradient and
-        the per-sample pieces its rule kept for the gradient pass (a bias's per-sample sums).
-        Layer inputs are not counted: they are the very tensors autograd saves for backward (activations).
+        the per-sample pieces its rule kept for the gradient pass (a bias's per-sample sums). Layer inputs count
+        only where they are copies (a model with compiled parts); otherwise they are the very tensors autograd
+        saves for backward (activations).
         """
         records = self._capture.records if self._capture else []
         kept = [r.grad for r in records if r.grad is not None] + [t for r in records for t in r.state.values()]
+        if self._compiled:  # there the kept inputs are copies (see _norm_pass), not the tensors autograd saved
+            kept += [r.x for r in records if r.x is not None]
         return kept + ([self._norm_sq] if self._norm_sq is not None else [])
 
     def state_dict(self) -> dict:
@@ -274,6 +348,6 @@ class DPEngine:
         self.step, self.seed = int(state["step"]), int(state["seed"])
 
     def remove_hooks(self) -> None:
-        """Detaches the engine from the model (its forwards run untouched afterwards)."""
+        """Detaches the engine from the model: every module gets its own class and forward back."""
         if self._capture is not None:
             self._capture.remove()

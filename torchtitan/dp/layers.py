@@ -1,10 +1,13 @@
 """Per-layer DP rules: per-sample gradient norms and clipped gradient sums from what a layer saw.
 
-A rule turns one module call's input `x` (detached) and output gradient `g` into
+A rule gives the module's forward with its parameters detached (`forward`: the engine runs it in place of the
+module's own, so autograd computes no weight gradient, compiled or not) and turns one module call's input `x` and
+output gradient `g` into
 - `norm_sq`: the (B,) squared norms of the per-sample gradients of the module's trainable params;
 - `grads`: sum_i c_i g_i for each trainable param, in the param's full (unsharded) shape.
 Book-keeping calls both on the same step; `norm_sq` may leave small per-sample pieces (a bias's
-per-sample sums) in the record's `state` dict, which `grads` then reads instead of re-reading `g`.
+per-sample sums) in the record's `state` dict, which `grads` then reads instead of re-reading `g`. Ghost
+clipping's second pass calls `grads` alone, with `coef` None (the clipping is already in `g`).
 With augmult (`group` K > 1) the call ran on B * K rows, K consecutive rows per sample, and a sample's
 gradient is the sum over its K rows (the 1/K of the average is already in `g`): the rules fold the K
 rows into the token dimension, since a per-sample gradient is a sum over tokens anyway.
@@ -25,6 +28,7 @@ from torch import nn
 
 from torchtitan.dp.flash_kernels import matmul_grad_norm_sq, scale_samples
 
+ForwardFn = Callable[..., torch.Tensor]
 NormFn = Callable[[nn.Module, torch.Tensor, torch.Tensor, tuple[str, ...], bool, int, dict], torch.Tensor]
 GradFn = Callable[
     [nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, tuple[str, ...], int, dict], dict[str, torch.Tensor]
@@ -37,11 +41,13 @@ class LayerRule:
 
     Attributes:
         param_names: the direct parameters the rule knows; any other trainable one is refused.
+        forward: (module, *args, **kwargs) -> output: the module type's forward with every parameter detached.
         norm_sq: (module, x, g, trainable names, flash, group, state) -> (B,) float32 squared per-sample norms.
-        grads: (module, x, g, coef (B,), trainable names, group, state) -> {name: sum_i coef_i grad_i}.
+        grads: (module, x, g, coef (B,) or None, trainable names, group, state) -> {name: sum_i coef_i grad_i}.
             `group` is the augmult K: rows per sample (1 without augmult). `state` is a dict the rule owns
             for one step of one module: empty when norm_sq is called, and what norm_sq left in it when
-            grads is (book-keeping calls grads after norm_sq on the same step; two-pass modes never do).
+            grads is (book-keeping calls grads after norm_sq on the same step). Two-pass modes call grads alone,
+            with an empty state and coef None: every coefficient 1.
         check: raises if this module's configuration is outside what the rule covers.
         cast_input: under autocast, cast the input to the autocast dtype before the call (a
             forward pre-hook), so the kept input is the very tensor autograd saves: no extra copy.
@@ -49,6 +55,7 @@ class LayerRule:
     """
 
     param_names: tuple[str, ...]
+    forward: ForwardFn
     norm_sq: NormFn
     grads: GradFn
     check: Callable[[nn.Module], None] = lambda module: None
@@ -64,23 +71,36 @@ def register_layer_rule(module_type: type, rule: LayerRule) -> None:
     _RULES[module_type] = rule
 
 
-def find_layer_rule(module: nn.Module) -> LayerRule | None:
-    """The rule of the nearest class in the module's MRO (FSDP/DDP wrap classes by subclassing)."""
+def find_layer_rule(module: nn.Module) -> tuple[type, LayerRule] | None:
+    """(class, rule) of the nearest class in the module's MRO with a rule (FSDP wraps classes by subclassing)."""
     for cls in type(module).__mro__:
         if cls in _RULES:
-            return _RULES[cls]
+            return cls, _RULES[cls]
     return None
 
 
-def scale_per_sample(t: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
-    """t * coef broadcast over the leading (batch) dim, in t's dtype.
+def detached(module: nn.Module, name: str) -> torch.Tensor | None:
+    """The module's parameter `name` cut from autograd (None where the module has none)."""
+    param = getattr(module, name)
+    return None if param is None else param.detach()
+
+
+def scale_per_sample(t: torch.Tensor, coef: torch.Tensor | None) -> torch.Tensor:
+    """t * coef broadcast over the leading (batch) dim, in t's dtype (t itself for coef None).
 
     In bf16/fp16 the coefficient is shrunk by one rounding step first, so rounding never makes
     a clipped gradient longer than max_grad_norm (which would void the sensitivity bound).
     """
+    if coef is None:
+        return t
     if t.dtype in (torch.bfloat16, torch.float16):
         coef = coef * (1 - torch.finfo(t.dtype).eps)
     return scale_samples(t, coef.to(t.dtype))
+
+
+def weighted_sum(coef: torch.Tensor | None, per_sample: torch.Tensor) -> torch.Tensor:
+    """sum_i coef_i per_sample_i over the leading dim, in float32 (plain sum for coef None)."""
+    return per_sample.sum(0) if coef is None else coef.float() @ per_sample
 
 
 # Linear and Conv2d: a matmul per token, weight grad A^T G.
@@ -138,8 +158,17 @@ def _linear_grads(module, x, g, coef, names, group, state):
             lhs, rhs = scale_per_sample(g, coef), a
         grads["weight"] = (lhs.flatten(0, 1).T @ rhs.flatten(0, 1)).view(module.weight.shape)  # (p, d)
     if "bias" in names:
-        grads["bias"] = coef.float() @ state.pop("bias")  # (B,) @ (B, p) per-sample sums
+        per_sample = state.pop("bias") if "bias" in state else g.sum(1, dtype=torch.float32)
+        grads["bias"] = weighted_sum(coef, per_sample)  # (B,) @ (B, p) per-sample sums
     return grads
+
+
+def _linear_forward(module, x):
+    return F.linear(x, module.weight.detach(), detached(module, "bias"))
+
+
+def _conv2d_forward(module, x):
+    return module._conv_forward(x, module.weight.detach(), detached(module, "bias"))
 
 
 def _check_conv2d(module: nn.Conv2d) -> None:
@@ -176,10 +205,15 @@ def _embedding_grads(module, idx, g, coef, names, group, state):
     return {"weight": grad.index_add_(0, idx.flatten(), g.flatten(0, 1))}
 
 
+def _embedding_forward(module, idx):
+    return F.embedding(idx, module.weight.detach(), module.padding_idx, module.max_norm, module.norm_type,
+                       module.scale_grad_by_freq, module.sparse)  # fmt: skip
+
+
 def _check_embedding(module: nn.Embedding) -> None:
-    if module.sparse or module.scale_grad_by_freq:
-        # scale_grad_by_freq couples samples through the batch's index counts.
-        raise NotImplementedError("DP rule for Embedding needs sparse=False and scale_grad_by_freq=False")
+    if module.sparse or module.scale_grad_by_freq or module.max_norm is not None:
+        # scale_grad_by_freq couples samples through the batch's index counts; max_norm rewrites the weight.
+        raise NotImplementedError("DP rule for Embedding needs sparse=False, scale_grad_by_freq=False, max_norm=None")
 
 
 # LayerNorm and RMSNorm with affine parameters: weight grad sum_t g * x_hat, bias grad sum_t g.
@@ -213,8 +247,18 @@ def _affine_norm_norm_sq(module, x, g, names, flash, group, state):
 
 
 def _affine_norm_grads(module, x, g, coef, names, group, state):
+    if not state:  # two-pass modes: the per-sample pieces were not kept
+        x_hat, g = _affine_norm_per_sample(module, x, g, group)
+        state = {name: (g * x_hat if name == "weight" else g).sum(1) for name in names}
     shape = tuple(module.normalized_shape)
-    return {name: (coef.float() @ state.pop(name)).view(shape) for name in names}
+    return {name: weighted_sum(coef, state.pop(name)).view(shape) for name in names}
+
+
+def _affine_norm_forward(module, x):
+    shape = tuple(module.normalized_shape)
+    if isinstance(module, nn.LayerNorm):
+        return F.layer_norm(x, shape, detached(module, "weight"), detached(module, "bias"), module.eps)
+    return F.rms_norm(x, shape, detached(module, "weight"), module.eps)
 
 
 # A parameter added to the input (learned position table): per-sample grad = output grad summed to its shape.
@@ -234,20 +278,29 @@ def _additive_norm_sq(module, x, g, names, flash, group, state):
     return _additive_per_sample(module, g, group).float().square().flatten(1).sum(1)
 
 
+def _additive_forward(module, x):
+    return x + module.weight.detach()
+
+
 def _additive_grads(module, x, g, coef, names, group, state):
     per_sample = scale_per_sample(_additive_per_sample(module, g, group), coef)
     return {"weight": per_sample.sum(0, keepdim=True).view(module.weight.shape)}
 
 
-register_layer_rule(nn.Linear, LayerRule(("weight", "bias"), _linear_norm_sq, _linear_grads, cast_input=True))
 register_layer_rule(
-    nn.Conv2d, LayerRule(("weight", "bias"), _linear_norm_sq, _linear_grads, _check_conv2d, cast_input=True)
+    nn.Linear, LayerRule(("weight", "bias"), _linear_forward, _linear_norm_sq, _linear_grads, cast_input=True)
 )
-register_layer_rule(nn.Embedding, LayerRule(("weight",), _embedding_norm_sq, _embedding_grads, _check_embedding))
-_affine_rule = LayerRule(("weight", "bias"), _affine_norm_norm_sq, _affine_norm_grads)
+register_layer_rule(
+    nn.Conv2d,
+    LayerRule(("weight", "bias"), _conv2d_forward, _linear_norm_sq, _linear_grads, _check_conv2d, cast_input=True),
+)
+register_layer_rule(
+    nn.Embedding, LayerRule(("weight",), _embedding_forward, _embedding_norm_sq, _embedding_grads, _check_embedding)
+)
+_affine_rule = LayerRule(("weight", "bias"), _affine_norm_forward, _affine_norm_norm_sq, _affine_norm_grads)
 register_layer_rule(nn.LayerNorm, _affine_rule)
 register_layer_rule(nn.RMSNorm, _affine_rule)
-ADDITIVE_RULE = LayerRule(("weight",), _additive_norm_sq, _additive_grads, keep_input=False)
+ADDITIVE_RULE = LayerRule(("weight",), _additive_forward, _additive_norm_sq, _additive_grads, keep_input=False)
 
 
 def _register_model_rules() -> None:

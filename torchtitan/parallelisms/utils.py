@@ -118,7 +118,7 @@ def apply_compile(model: nn.Module, mode: str = "default", scope: str = "block",
     """torch.compile in place each of the model's blocks (`blocks`, by default `model.blocks`), or the whole model
     with scope 'model'.
 
-    fullgraph: a graph break is a bug, not a slowdown; only DP-SGD's per-layer hooks break graphs on purpose.
+    fullgraph: a graph break is a bug, not a slowdown (see `full_graph`).
     `Module.compile` keeps the parameter names.
     """
     blocks = model.blocks if blocks is None else blocks
@@ -127,6 +127,12 @@ def apply_compile(model: nn.Module, mode: str = "default", scope: str = "block",
         module.compile(fullgraph=fullgraph, mode=None if mode == "default" else mode)
     what = f"{len(modules)} blocks" if scope == "block" else "the whole model"
     logger.info(f"compiled {what} with torch.compile(fullgraph={fullgraph}, mode={mode!r})")
+
+
+def full_graph(job_config) -> bool:
+    """fullgraph for apply_compile: True, except for a whole compiled model under DP-SGD, whose root pre-hook (it
+    makes the per-row token the engine backpropagates to, outside any graph) is one graph break at its start."""
+    return not (job_config.dp.enable and job_config.compile.scope == "model")
 
 
 def reshards_after_forward(mode: str, num_blocks: int) -> tuple[list[bool], bool]:

@@ -8,7 +8,7 @@ FSDP shards last so its hooks sit outside the compiled code. Under DP-SGD compil
 from torch import nn
 
 from torchtitan.parallelisms.parallel_dims import ParallelDims
-from torchtitan.parallelisms.utils import apply_ac, apply_compile, apply_data_parallel, checkpointed_blocks
+from torchtitan.parallelisms.utils import apply_ac, apply_compile, apply_data_parallel, checkpointed_blocks, full_graph
 
 
 def parallelize_dit(model: nn.Module, parallel_dims: ParallelDims, job_config) -> nn.Module:
@@ -25,13 +25,9 @@ def parallelize_dit(model: nn.Module, parallel_dims: ParallelDims, job_config) -
     model.float8_fsdp_all_gather = conversion.float8_fsdp_all_gather  # read by the trainer after each step
     compile_config = job_config.compile
     compiled = compile_config.enable and "model" in compile_config.components  # scope "model": one device
-    if compiled and job_config.dp.enable:
-        # DP-SGD's per-layer hooks run outside traced code: a graph break around each clipped layer, which a
-        # checkpointed region cannot hold. So each block is compiled first and checkpointed around its compiled call.
-        apply_compile(model, compile_config.mode, compile_config.scope, fullgraph=False)
     if ac.mode != "none":
         apply_ac(model.blocks, ac.mode, ac.selective_ac_option, save_ops=conversion.save_ops)
-    if compiled and not job_config.dp.enable:
-        apply_compile(model, compile_config.mode, compile_config.scope)
+    if compiled:
+        apply_compile(model, compile_config.mode, compile_config.scope, fullgraph=full_graph(job_config))
     apply_data_parallel(model, list(model.blocks.values()), parallel_dims, job_config, job_config.compile.enable)
     return model

@@ -7,7 +7,7 @@ the only converter is float8. Under DP-SGD each layer is compiled before AC, for
 from torch import nn
 
 from torchtitan.parallelisms.parallel_dims import ParallelDims
-from torchtitan.parallelisms.utils import apply_ac, apply_compile, apply_data_parallel
+from torchtitan.parallelisms.utils import apply_ac, apply_compile, apply_data_parallel, full_graph
 
 
 def parallelize_llama3(model: nn.Module, parallel_dims: ParallelDims, job_config) -> nn.Module:
@@ -20,12 +20,10 @@ def parallelize_llama3(model: nn.Module, parallel_dims: ParallelDims, job_config
                                                     parallel_dims.fsdp_enabled)  # fmt: skip
     ac, compile_config = job_config.activation_checkpoint, job_config.compile
     compiled = compile_config.enable and "model" in compile_config.components
-    private = job_config.dp.enable
-    if compiled and private:  # DP's per-layer hooks break graphs, which a checkpointed region cannot hold
-        apply_compile(model, compile_config.mode, compile_config.scope, fullgraph=False, blocks=model.layers)
     if ac.mode != "none":
         apply_ac(model.layers, ac.mode, ac.selective_ac_option)
-    if compiled and not private:
-        apply_compile(model, compile_config.mode, compile_config.scope, blocks=model.layers)
+    if compiled:
+        apply_compile(model, compile_config.mode, compile_config.scope, fullgraph=full_graph(job_config),
+                      blocks=model.layers)  # fmt: skip
     apply_data_parallel(model, list(model.layers.values()), parallel_dims, job_config, compiled)
     return model
