@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch._dynamo.eval_frame import OptimizedModule
 from torch.distributed.tensor import DTensor
 
 from torchtitan.dp import distributed as dpdist
@@ -89,7 +90,7 @@ class DPEngine:
         # Compiled parts in the model: their backwards may reuse a buffer's memory after its last use, so the layer
         # inputs and output gradients book-keeping keeps are copied there.
         self._compiled = any(
-            getattr(m, "_compiled_call_impl", None) is not None or type(m).__name__ == "OptimizedModule"
+            isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
             for m in model.modules()
         )
         if mode != "vanilla":
@@ -206,11 +207,7 @@ class DPEngine:
         inputs = [token]
         if self._check_uses:  # first step: prove no parameter is used outside its module
             inputs += outside_uses(losses, token)
-        self._capture.on_grad = on_grad
-        try:
-            grads = torch.autograd.grad(losses.sum(), inputs, retain_graph=two_pass, allow_unused=True)
-        finally:
-            self._capture.on_grad = None
+        grads = self._through_layers(on_grad, losses.sum(), inputs, retain_graph=two_pass)
         if self._check_uses:
             self._raise_outside_uses([t for t, g in zip(inputs[1:], grads[1:]) if g is not None])
             self._check_uses = False
@@ -228,9 +225,13 @@ class DPEngine:
             record.grads = record.rule.grads(record.module, x, grad, None, record.param_names, group, {})
             return grad.new_zeros(grad.shape[0], dtype=torch.float32)
 
+        self._through_layers(on_grad, weighted_sum, [token])
+
+    def _through_layers(self, on_grad, output: torch.Tensor, inputs: list, retain_graph: bool = False) -> tuple:
+        """autograd.grad(output, inputs) with `on_grad` handling each captured layer's (input, output gradient)."""
         self._capture.on_grad = on_grad
         try:
-            torch.autograd.grad(weighted_sum, token, allow_unused=True)
+            return torch.autograd.grad(output, inputs, retain_graph=retain_graph, allow_unused=True)
         finally:
             self._capture.on_grad = None
 
