@@ -110,3 +110,27 @@ def test_engine_noise_scale_and_exact_resume(mode):
     resumed.model.load_state_dict(model.state_dict())
     resumed.load_state_dict(state)
     assert all(torch.equal(a, b) for a, b in zip(_engine_step(resumed.model, resumed, x), third))
+
+
+@pytest.mark.skipif(not (triton_interpreting() or torch.cuda.is_available()), reason="the Philox kernel's test")
+def test_one_launch_for_many_tensors_adds_what_each_alone_adds(monkeypatch):
+    """add_gaussian_noise_many_ (one kernel for all tensors) equals add_gaussian_noise_ tensor by tensor, for
+    whole tensors, a row shard that starts mid-block, a column shard (which goes alone), and mixed dtypes."""
+    device = "cpu" if triton_interpreting() else "cuda"
+    shapes = {"a": (37, 5), "b": (3,), "c": (), "d": (4, 6, 5), "e": (1500, 7), "f": (9, 4)}
+    params = {name: torch.empty(shape, device=device) for name, shape in shapes.items()}
+    regions = {id(params["e"]): (slice(700, 1431), slice(0, 7)), id(params["f"]): (slice(1, 8), slice(1, 3))}
+    monkeypatch.setattr(dpnoise, "local_region",
+                        lambda p: regions.get(id(p), tuple(slice(0, n) for n in p.shape)))  # fmt: skip
+    alone, together = [], []
+    for name, param in params.items():
+        local = [s.stop - s.start for s in dpnoise.local_region(param)]
+        base = torch.randn(local, device=device).to(torch.bfloat16 if name == "d" else torch.float32)
+        one = base.clone()
+        dpnoise.add_gaussian_noise_(one, param, name, 3, 4, 0.5)
+        assert not torch.equal(one, base), name
+        alone.append(one)
+        together.append((base.clone(), param, name))
+    dpnoise.add_gaussian_noise_many_(together, 3, 4, 0.5)
+    for one, (many, _, name) in zip(alone, together):
+        assert torch.equal(one, many), name

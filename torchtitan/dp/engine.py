@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.dp import distributed as dpdist
 from torchtitan.dp.capture import LayerCapture, LayerRecord, outside_uses
-from torchtitan.dp.noise import add_gaussian_noise_
+from torchtitan.dp.noise import add_gaussian_noise_many_
 
 DP_MODES = ("vanilla", "ghost", "flash", "bookkeeping", "flash_bookkeeping")
 _TWO_PASS = ("ghost", "flash")
@@ -308,11 +308,12 @@ class DPEngine:
         # A Python float keeps the add to one fused kernel per block; .item() syncs once per step.
         std = float(self.noise_multiplier * self.max_grad_norm / batch)
         with torch.no_grad():
+            grads = []
             for name, param in self._params:
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
-                grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-                add_gaussian_noise_(grad, param, name, self.seed, self.step, std)
+                grads.append((param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad, param, name))
+            add_gaussian_noise_many_(grads, self.seed, self.step, std)  # one launch for all of them where it can
 
     def _global_batch(self, losses: torch.Tensor, keep: torch.Tensor | None):
         if self.global_batch_size is not None:

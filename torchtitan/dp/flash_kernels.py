@@ -63,7 +63,7 @@ def explicit_norm_sq_torch(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     chunk = max(1, _CHUNK_NUMEL // (a.shape[2] * g.shape[2]))
     out = []
     for a_c, g_c in zip(a.split(chunk), g.split(chunk)):
-        per_sample = _bmm_float32(a_c.mT, g_c)  # (b, d, p)
+        per_sample = matmul_float32(a_c.mT, g_c)  # (b, d, p)
         out.append(per_sample.square().sum((1, 2)))
     return torch.cat(out)
 
@@ -73,26 +73,28 @@ def gram_norm_sq_torch(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     chunk = max(1, _CHUNK_NUMEL // (a.shape[1] * a.shape[1]))
     out = []
     for a_c, g_c in zip(a.split(chunk), g.split(chunk)):
-        out.append((_bmm_float32(a_c, a_c.mT) * _bmm_float32(g_c, g_c.mT)).sum((1, 2)))  # (b, T, T) products
+        out.append((matmul_float32(a_c, a_c.mT) * matmul_float32(g_c, g_c.mT)).sum((1, 2)))  # (b, T, T) products
     return torch.cat(out)
 
 
-def _bmm_float32(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """x @ y as float32, at the matrix units' rate for bf16/fp16 operands on CUDA.
+def matmul_float32(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x @ y (2-D, or batched 3-D) as float32, at the matrix units' rate for bf16/fp16 operands on CUDA.
 
     Upcasting bf16 operands to float32 first would run the products at the far lower fp32 rate (ghost
     clipping's norms were most of its step time that way); instead the operands stay in their dtype and
-    the products accumulate in float32, as the flash kernels do. float32 operands stay float32 (exact tests).
+    the products accumulate in float32, as the flash kernels do, rounded once to float32 (not to the operands'
+    dtype and then widened). float32 operands stay float32 (exact tests).
     """
+    mm = torch.bmm if x.dim() == 3 else torch.mm
     if x.dtype in (torch.bfloat16, torch.float16) and x.is_cuda:
-        if _BMM_OUT_DTYPE:
-            return torch.bmm(x, y, out_dtype=torch.float32)
-        return torch.bmm(x, y).float()  # older torch: fp32 accumulation, one rounding of each product
-    return torch.bmm(x.float(), y.float())
+        if _OUT_DTYPE:
+            return mm(x, y, out_dtype=torch.float32)
+        return mm(x, y).float()  # older torch: fp32 accumulation, one rounding of each product
+    return mm(x.float(), y.float())
 
 
-# torch >= 2.8 has bmm with a float32 output for bf16/fp16 CUDA operands (aten::bmm.dtype).
-_BMM_OUT_DTYPE = hasattr(torch.ops.aten.bmm, "dtype")
+# torch >= 2.8 has mm and bmm with a float32 output for bf16/fp16 CUDA operands (aten::mm.dtype, aten::bmm.dtype).
+_OUT_DTYPE = hasattr(torch.ops.aten.bmm, "dtype") and hasattr(torch.ops.aten.mm, "dtype")
 
 
 def scale_samples(t: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.dp.flash_kernels import matmul_grad_norm_sq, scale_samples
+from torchtitan.dp.flash_kernels import matmul_float32, matmul_grad_norm_sq, scale_samples
 
 ForwardFn = Callable[..., torch.Tensor]
 NormFn = Callable[[nn.Module, torch.Tensor, torch.Tensor, tuple[str, ...], bool, int, dict], torch.Tensor]
@@ -93,9 +93,28 @@ def scale_per_sample(t: torch.Tensor, coef: torch.Tensor | None) -> torch.Tensor
     """
     if coef is None:
         return t
-    if t.dtype in (torch.bfloat16, torch.float16):
-        coef = coef * (1 - torch.finfo(t.dtype).eps)
-    return scale_samples(t, coef.to(t.dtype))
+    return scale_samples(t, _coefficients(coef, t.dtype))
+
+
+_COEF_CACHE: list = []  # [(coef, dtype, prepared)]: the step's coefficients, prepared once per dtype
+
+
+def _coefficients(coef: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """coef as scale_samples takes it for a `dtype` operand: float32 values of `dtype` (shrunk for bf16/fp16).
+
+    Every layer of a step scales by the same coefficients: they are prepared once per dtype, not per layer.
+    """
+    for cached, cached_dtype, prepared in _COEF_CACHE:
+        if cached is coef and cached_dtype == dtype:
+            return prepared
+    if dtype in (torch.bfloat16, torch.float16):
+        prepared = (coef * (1 - torch.finfo(dtype).eps)).to(dtype).float()
+    else:
+        prepared = coef.to(dtype).float()
+    if _COEF_CACHE and _COEF_CACHE[0][0] is not coef:
+        _COEF_CACHE.clear()  # a new step's coefficients: drop the last step's
+    _COEF_CACHE.append((coef, dtype, prepared))
+    return prepared
 
 
 def weighted_sum(coef: torch.Tensor | None, per_sample: torch.Tensor) -> torch.Tensor:
@@ -137,14 +156,14 @@ def linear_operands(
 
 def _linear_norm_sq(module, x, g, names, flash, group, state):
     a, g = linear_operands(module, x, g, group)
-    out = torch.zeros(a.shape[0], device=a.device, dtype=torch.float32)
+    parts = []
     if "weight" in names:
-        out += matmul_grad_norm_sq(a, g, flash)
+        parts.append(matmul_grad_norm_sq(a, g, flash))
     if "bias" in names:
         # Per-sample bias grads, the sums over tokens: (B, p), kept so grads need not read g again.
         state["bias"] = g.sum(1, dtype=torch.float32)
-        out += state["bias"].square().sum(1)
-    return out
+        parts.append(state["bias"].square().sum(1))
+    return parts[0] if len(parts) == 1 else parts[0] + parts[1]
 
 
 def _linear_grads(module, x, g, coef, names, group, state):
@@ -156,7 +175,7 @@ def _linear_grads(module, x, g, coef, names, group, state):
             lhs, rhs = g, scale_per_sample(a, coef)
         else:
             lhs, rhs = scale_per_sample(g, coef), a
-        grads["weight"] = (lhs.flatten(0, 1).T @ rhs.flatten(0, 1)).view(module.weight.shape)  # (p, d)
+        grads["weight"] = matmul_float32(lhs.flatten(0, 1).T, rhs.flatten(0, 1)).view(module.weight.shape)  # (p, d)
     if "bias" in names:
         per_sample = state.pop("bias") if "bias" in state else g.sum(1, dtype=torch.float32)
         grads["bias"] = weighted_sum(coef, per_sample)  # (B,) @ (B, p) per-sample sums

@@ -102,6 +102,46 @@ def add_gaussian_noise_(grad: torch.Tensor, param: torch.Tensor, name: str, seed
     local_view.add_(rows[(slice(None), *region[1:])])
 
 
+def add_gaussian_noise_many_(grads: list[tuple[torch.Tensor, torch.Tensor, str]], seed: int, step: int,
+                             std: float) -> None:  # fmt: skip
+    """`add_gaussian_noise_` for each (grad, param, name), the same values, with one kernel launch per dtype.
+
+    Where the kernel runs and a gradient's local part is a contiguous range of the global rows (a whole tensor, or an
+    FSDP shard), the tensors share one launch: a step's noise is then one kernel, not one per parameter. The rest go
+    one at a time.
+    """
+    batched: dict[tuple, list[tuple[torch.Tensor, int, int]]] = {}
+    for grad, param, name in grads:
+        region = local_region(param) or (slice(0, 1),)
+        global_shape = tuple(param.shape) or (1,)
+        whole_rows = all(s == slice(0, n) for s, n in zip(region[1:], global_shape[1:]))
+        kernel = triton is not None and (grad.is_cuda or triton_interpreting()) and grad.dtype in _TL_DTYPES
+        if not (kernel and whole_rows and grad.is_contiguous()):
+            add_gaussian_noise_(grad, param, name, seed, step, std)
+        elif grad.numel():
+            first = region[0].start * math.prod(global_shape[1:])
+            batched.setdefault((grad.dtype, grad.device), []).append((grad, first, block_seed(seed, step, name, 0)))
+    for group in batched.values():
+        _launch_noise_kernel_many(group, std)
+
+
+def _launch_noise_kernel_many(group: list[tuple[torch.Tensor, int, int]], std: float) -> None:
+    """out += std * noise for each (out, first, key) of one dtype and device, in one launch."""
+    programs = [0]
+    for out, first, _ in group:
+        programs.append(programs[-1] + triton.cdiv(first % _NOISE_BLOCK + out.numel(), _NOISE_BLOCK))
+    n = len(group)
+    meta = [t.data_ptr() for t, _, _ in group] + [t.numel() for t, _, _ in group] + [f for _, f, _ in group]
+    meta += [k for _, _, k in group] + programs
+    device = group[0][0].device
+    table = torch.tensor(meta, dtype=torch.int64)
+    if device.type == "cuda":  # pinned: the copy does not wait for the GPU's queue
+        table = table.pin_memory().to(device, non_blocking=True)
+    # Every tensor must outlive the launch's use of its address: they are the live gradients, held by the caller.
+    dtype = _TL_DTYPES[group[0][0].dtype]
+    _add_noise_many_kernel[(programs[-1],)](table, n, float(std), n.bit_length(), _NOISE_BLOCK, dtype)
+
+
 def _launch_noise_kernel(out: torch.Tensor, first: int, key: int, std: float) -> None:
     """out (contiguous) += std * the global noise from element index `first` on."""
     if out.numel():
@@ -127,6 +167,36 @@ def _add_noise_kernel(grad_ptr, numel, first, key, std, BLOCK: tl.constexpr):
     mask = (local >= 0) & (local < numel)
     g = tl.load(grad_ptr + local, mask=mask)
     tl.store(grad_ptr + local, (g.to(tl.float32) + std * z).to(g.dtype), mask=mask)
+
+
+@_jit
+def _add_noise_many_kernel(table, n, std, STEPS: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr):
+    # _add_noise_kernel for many tensors: table holds n pointers, numels, firsts, keys, then n + 1 program offsets
+    # (tensor t owns programs offsets[t] ... offsets[t + 1] - 1). Each program finds its tensor by bisection.
+    pid = tl.program_id(0).to(tl.int64)
+    offsets = table + 4 * n
+    lo = pid * 0
+    hi = lo + n
+    for _ in range(STEPS):  # bisection: the last t with offsets[t] <= pid
+        mid = (lo + hi) // 2
+        go_right = tl.load(offsets + mid) <= pid
+        lo = tl.where(go_right, mid, lo)
+        hi = tl.where(go_right, hi, mid)
+    grad_ptr = tl.load(table + lo).to(tl.pointer_type(DTYPE))
+    numel = tl.load(table + n + lo)
+    first = tl.load(table + 2 * n + lo)
+    key = tl.load(table + 3 * n + lo)
+    start = (first // BLOCK + pid - tl.load(offsets + lo)) * BLOCK  # as in _add_noise_kernel
+    counters = start // 4 + tl.arange(0, BLOCK // 4)
+    z0, z1, z2, z3 = tl.randn4x(key, counters)
+    z = tl.reshape(tl.join(tl.join(z0, z1), tl.join(z2, z3)), (BLOCK,))
+    local = start + tl.arange(0, BLOCK) - first
+    mask = (local >= 0) & (local < numel)
+    g = tl.load(grad_ptr + local, mask=mask)
+    tl.store(grad_ptr + local, (g.to(tl.float32) + std * z).to(g.dtype), mask=mask)
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16} if triton else {}
 
 
 def _noise_blocks(global_shape, region, name, seed, step, device):
