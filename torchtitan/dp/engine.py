@@ -34,6 +34,21 @@ _FLASH = ("flash", "flash_bookkeeping")
 _WRAPPER_NAMES = re.compile(r"(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module)\.")
 
 
+def _keep_compiled_buffers() -> None:
+    """Makes the layer inputs and output gradients that book-keeping keeps safe to hold in compiled code, uncopied.
+
+    Inductor's generated code may hand a buffer's memory to a later tensor once the buffer's last use has run
+    (`allow_buffer_reuse`), or write a kernel's output over a dead input (`inplace_buffers`): a buffer the custom op
+    saw could then change under the engine before its weight gradient is formed. Without both, each buffer is its
+    own allocation, freed by dropping its last reference, so holding the tensor keeps its values (as in eager). Set
+    before the first forward compiles anything; they are part of inductor's cache key.
+    """
+    import torch._inductor.config
+
+    torch._inductor.config.allow_buffer_reuse = False
+    torch._inductor.config.inplace_buffers = False
+
+
 def _per_row(norm_sq: torch.Tensor, group: int) -> torch.Tensor:
     """(B,) per-sample values as the token's (B K,) rows: sample i's at row i K, zeros in its other K - 1 rows."""
     if group == 1:
@@ -87,8 +102,7 @@ class DPEngine:
         self._sharded = any(isinstance(p, DTensor) for _, p in self._params)
         self._ddp = dpdist.is_ddp(model)
         self._capture = LayerCapture(model) if mode != "vanilla" else None
-        # Compiled parts in the model: their backwards may reuse a buffer's memory after its last use, so the layer
-        # inputs and output gradients book-keeping keeps are copied there.
+        # Compiled parts in the model: their layer inputs are buffers of compiled code (see _keep_compiled_buffers).
         self._compiled = any(
             isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
             for m in model.modules()
@@ -100,6 +114,8 @@ class DPEngine:
             import torch._functorch.config
 
             torch._functorch.config.donated_buffer = False
+            if mode not in _TWO_PASS:
+                _keep_compiled_buffers()
         self._captured: frozenset[str] | None = None  # modules the first step's norm pass reached
         self._check_uses = True  # the first step checks that no parameter is used outside its module
         self._group = 1  # augmult K of the backward in progress: rows per sample
@@ -185,7 +201,7 @@ class DPEngine:
     def _norm_pass(self, losses: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
         """First backward: per-sample norms from every layer's input and output gradient, summed in the token's
         gradient; book-keeping keeps each layer's input and output gradient."""
-        flash, two_pass, copy = self.mode in _FLASH, self.mode in _TWO_PASS, self._compiled
+        flash, two_pass = self.mode in _FLASH, self.mode in _TWO_PASS
         group, samples = self._group, losses.shape[0]
 
         def on_grad(record: LayerRecord, x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
@@ -199,9 +215,8 @@ class DPEngine:
             norm_sq = rule.norm_sq(record.module, x, grad, record.param_names, flash, group, record.state)
             if two_pass:
                 record.state = {}  # the second pass computes the weight gradients afresh
-            else:
-                # A compiled backward may reuse the memory of its buffers once the op returns: keep copies there.
-                record.x, record.grad = (x.clone(), grad.clone()) if copy else (x, grad)
+            else:  # kept as they are: nothing writes into them while the engine holds them (_keep_compiled_buffers)
+                record.x, record.grad = x, grad
             return _per_row(norm_sq, group)
 
         inputs = [token]
@@ -333,12 +348,12 @@ class DPEngine:
 
         That is the norms being summed and, in book-keeping modes, every layer's kept output gradient and
         the per-sample pieces its rule kept for the gradient pass (a bias's per-sample sums). Layer inputs count
-        only where they are copies (a model with compiled parts); otherwise they are the very tensors autograd
-        saves for backward (activations).
+        only in a model with compiled parts (there they may be buffers of compiled code); otherwise they are the
+        tensors autograd saves for backward (activations).
         """
         records = self._capture.records if self._capture else []
         kept = [r.grad for r in records if r.grad is not None] + [t for r in records for t in r.state.values()]
-        if self._compiled:  # there the kept inputs are copies (see _norm_pass), not the tensors autograd saved
+        if self._compiled:  # there the kept inputs may be buffers compiled code made, not tensors autograd saved
             kept += [r.x for r in records if r.x is not None]
         return kept + ([self._norm_sq] if self._norm_sq is not None else [])
 
