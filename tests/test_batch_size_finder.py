@@ -161,7 +161,7 @@ def test_trainer_refuses_auto_on_cpu(tmp_path):
     assert "training.local_batch_size = 'auto'" in result.stderr and "CUDA" in result.stderr
 
 
-def test_only_torch_cuda_oom_counts_as_out_of_memory():
+def test_only_device_memory_errors_count_as_out_of_memory():
     # torch's error, and the line Inductor's autotuning logs (and survives) when a Triton GEMM config needs more
     # shared memory than the GPU has: the second must not pass for a memory limit (it did, on an H100, 2026-11-25).
     torch_oom = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity"
@@ -169,3 +169,6 @@ def test_only_torch_cuda_oom_counts_as_out_of_memory():
               "Hardware limit:232448 Reducing block sizes or `num_stages` may help.")  # fmt: skip
     assert ran_out_of_memory(torch_oom) and ran_out_of_memory(triton + "\n" + torch_oom)
     assert not ran_out_of_memory(triton) and not ran_out_of_memory("RuntimeError: check_memory_pool")
+    # cuBLAS creating a handle for the backward thread with the device full (the memory lab's fp32 probe at 132).
+    cublas = "RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"
+    assert ran_out_of_memory(cublas) and not ran_out_of_memory("RuntimeError: CUBLAS_STATUS_EXECUTION_FAILED")

@@ -1,10 +1,10 @@
 """Fresh-process runs of the trainer's step: one run type, one launcher, one warm-step summary.
 
 Each run is a new process (one OOM cannot poison the next), `python -m torchtitan.measure` with train.py's
-arguments (through torchrun for several processes). The launcher records how it ended: "ok", "OOM" (torch's CUDA
-out-of-memory error, nothing else), "timeout" or "failed (exit code)". The max-batch finder, scripts/benchmark.py,
-the ablation grids, the DP suites and the attention lab all launch their runs here (scripts/lib adds what only the
-scripts need).
+arguments (through torchrun for several processes). The launcher records how it ended: "ok", "OOM" (the device's
+memory ran out: torch's CUDA out-of-memory error, or cuBLAS's or cuDNN's allocation failure), "timeout" or "failed
+(exit code)". The max-batch finder, scripts/benchmark.py, the ablation grids, the DP suites and the attention lab all
+launch their runs here (scripts/lib adds what only the scripts need).
 """
 
 import json
@@ -49,10 +49,16 @@ class RunResult:
         return self.status == "ok"
 
 
+# Device memory ran out: torch's allocator, or a CUDA library that allocates its own (cuBLAS creating a handle for a
+# thread, e.g. autograd's backward thread, when the caching allocator holds the rest: H100, 2026-11-25).
+_OUT_OF_MEMORY = ("CUDA out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED")
+
+
 def ran_out_of_memory(output: str) -> bool:
-    """Whether a failed run's output shows torch's CUDA out-of-memory error. Not Triton's "out of resource"
-    (shared memory of a GEMM config), which Inductor's autotuning logs as an `OutOfMemoryError` and survives."""
-    return "CUDA out of memory" in output
+    """Whether a failed run's output shows the device's memory running out (torch's CUDA out-of-memory error, or
+    cuBLAS's or cuDNN's allocation failure). Not Triton's "out of resource" (shared memory of a GEMM config), which
+    Inductor's autotuning logs as an `OutOfMemoryError` and survives."""
+    return any(sign in output for sign in _OUT_OF_MEMORY)
 
 
 def status_of(returncode: int, output: str) -> str:
