@@ -241,11 +241,25 @@ def stdlib_files(max_bytes: int = DEFAULT_STDLIB_MAX_BYTES) -> list[tuple[str, P
     return selected
 
 
+def stdlib_split_files(split: str, max_bytes: int = DEFAULT_STDLIB_MAX_BYTES) -> list[tuple[str, Path, int]]:
+    """`stdlib_files` of one split ("train" or "validation")."""
+    return [item for item in stdlib_files(max_bytes) if _split_of(item[0]) == split]
+
+
+def stdlib_documents(split: str, max_bytes: int = DEFAULT_STDLIB_MAX_BYTES) -> list[tuple[str, str]]:
+    """(key, text) of the embedded corpus's documents of one split, as `training.dataset = "stdlib"` reads them."""
+    return _read_stdlib(stdlib_split_files(split, max_bytes))
+
+
+def _read_stdlib(files: list[tuple[str, Path, int]]) -> list[tuple[str, str]]:
+    return [(rel, path.read_bytes().decode("utf-8", errors="replace")) for rel, path, _ in files]
+
+
 def _stdlib_dataset(tokenizer: TextTokenizer, split: str, max_bytes: int, cache_dir: str | None):
-    files = [item for item in stdlib_files(max_bytes) if _split_of(item[0]) == split]
+    files = stdlib_split_files(split, max_bytes)
     key = {"source": "stdlib", "python": sys.version, "files": [(rel, size) for rel, _, size in files],
            "tokenizer": _tokenizer_key(tokenizer), "split": split}  # fmt: skip
-    read = lambda: [path.read_bytes().decode("utf-8", errors="replace") for _, path, _ in files]
+    read = lambda: [text for _, text in _read_stdlib(files)]
     tokens = _cached_stream(key, lambda: pack_documents(read(), tokenizer), cache_dir)
     version = ".".join(map(str, sys.version_info[:3]))
     description = (
