@@ -86,47 +86,45 @@ def gaussian_noise(param: torch.Tensor, name: str, seed: int, step: int, std: fl
 
 def add_gaussian_noise_(grad: torch.Tensor, param: torch.Tensor, name: str, seed: int, step: int, std: float) -> None:
     """grad += N(0, std^2) noise, for grad the local tensor of param's gradient (this rank's region of it)."""
-    region = local_region(param) or (slice(0, 1),)
-    global_shape = tuple(param.shape) or (1,)  # a 0-dim parameter is one row of one element
-    local_view = grad.view([s.stop - s.start for s in region])  # a 0-dim gradient as one row
-    if triton is None or not (grad.is_cuda or triton_interpreting()):
-        for rows, values in _noise_blocks(global_shape, region, name, seed, step, grad.device):
-            local_view[rows].add_(values, alpha=std)
-        return
-    key, row_numel = block_seed(seed, step, name, 0), math.prod(global_shape[1:])
-    if all(s == slice(0, n) for s, n in zip(region[1:], global_shape[1:])) and grad.is_contiguous():
-        _launch_noise_kernel(grad, region[0].start * row_numel, key, std)  # a range of rows: in place
-        return
-    rows = torch.zeros((region[0].stop - region[0].start, *global_shape[1:]), device=grad.device)
-    _launch_noise_kernel(rows, region[0].start * row_numel, key, std)  # the region's rows, then its columns
-    local_view.add_(rows[(slice(None), *region[1:])])
+    add_gaussian_noise_many_([(grad, param, name)], seed, step, std)
 
 
 def add_gaussian_noise_many_(grads: list[tuple[torch.Tensor, torch.Tensor, str]], seed: int, step: int,
                              std: float) -> None:  # fmt: skip
-    """`add_gaussian_noise_` for each (grad, param, name), the same values, with one kernel launch per dtype.
+    """`add_gaussian_noise_` for each (grad, param, name), with one kernel launch per dtype where the kernel runs.
 
-    Where the kernel runs and a gradient's local part is a contiguous range of the global rows (a whole tensor, or an
-    FSDP shard), the tensors share one launch: a step's noise is then one kernel, not one per parameter. The rest go
-    one at a time.
+    A gradient whose local part is a contiguous range of the global rows (a whole tensor, or an FSDP shard) gets the
+    noise in place, in the shared launch: a step's noise is then one kernel, not one per parameter. Any other region
+    draws its rows into a buffer and adds its columns; without the kernel, the torch generator blocks.
     """
     batched: dict[tuple, list[tuple[torch.Tensor, int, int]]] = {}
     for grad, param, name in grads:
         region = local_region(param) or (slice(0, 1),)
-        global_shape = tuple(param.shape) or (1,)
-        whole_rows = all(s == slice(0, n) for s, n in zip(region[1:], global_shape[1:]))
-        kernel = triton is not None and (grad.is_cuda or triton_interpreting()) and grad.dtype in _TL_DTYPES
-        if not (kernel and whole_rows and grad.is_contiguous()):
-            add_gaussian_noise_(grad, param, name, seed, step, std)
-        elif grad.numel():
-            first = region[0].start * math.prod(global_shape[1:])
-            batched.setdefault((grad.dtype, grad.device), []).append((grad, first, block_seed(seed, step, name, 0)))
+        global_shape = tuple(param.shape) or (1,)  # a 0-dim parameter is one row of one element
+        local_view = grad.view([s.stop - s.start for s in region])  # a 0-dim gradient as one row
+        if triton is None or not (grad.is_cuda or triton_interpreting()):
+            for rows, values in _noise_blocks(global_shape, region, name, seed, step, grad.device):
+                local_view[rows].add_(values, alpha=std)
+            continue
+        key, first = block_seed(seed, step, name, 0), region[0].start * math.prod(global_shape[1:])
+        if all(s == slice(0, n) for s, n in zip(region[1:], global_shape[1:])) and grad.is_contiguous():
+            batched.setdefault((grad.dtype, grad.device), []).append((grad, first, key))  # a range of rows: in place
+            continue
+        rows = torch.zeros((region[0].stop - region[0].start, *global_shape[1:]), device=grad.device)
+        _launch_noise_kernel([(rows, first, key)], std)  # the region's rows, then its columns
+        local_view.add_(rows[(slice(None), *region[1:])])
     for group in batched.values():
-        _launch_noise_kernel_many(group, std)
+        _launch_noise_kernel(group, std)
 
 
-def _launch_noise_kernel_many(group: list[tuple[torch.Tensor, int, int]], std: float) -> None:
-    """out += std * noise for each (out, first, key) of one dtype and device, in one launch."""
+def _launch_noise_kernel(group: list[tuple[torch.Tensor, int, int]], std: float) -> None:
+    """out += std * the global noise from element index `first` on, for each (out (contiguous), first, key) of one
+    dtype and device, in one launch."""
+    group = [item for item in group if item[0].numel()]
+    if not group:
+        return
+    # Programs cover aligned blocks of global indices (each Philox call yields four normals for four neighbours), so
+    # a tensor's first block may start before its first element: those lanes are masked.
     programs = [0]
     for out, first, _ in group:
         programs.append(programs[-1] + triton.cdiv(first % _NOISE_BLOCK + out.numel(), _NOISE_BLOCK))
@@ -139,40 +137,18 @@ def _launch_noise_kernel_many(group: list[tuple[torch.Tensor, int, int]], std: f
         table = table.pin_memory().to(device, non_blocking=True)
     # Every tensor must outlive the launch's use of its address: they are the live gradients, held by the caller.
     dtype = _TL_DTYPES[group[0][0].dtype]
-    _add_noise_many_kernel[(programs[-1],)](table, n, float(std), n.bit_length(), _NOISE_BLOCK, dtype)
-
-
-def _launch_noise_kernel(out: torch.Tensor, first: int, key: int, std: float) -> None:
-    """out (contiguous) += std * the global noise from element index `first` on."""
-    if out.numel():
-        # Programs cover aligned blocks of global indices (each Philox call yields four normals for four
-        # neighbours), so a block may start before the first element: those lanes are masked.
-        grid = (triton.cdiv(first % _NOISE_BLOCK + out.numel(), _NOISE_BLOCK),)
-        _add_noise_kernel[grid](out, out.numel(), first, key, float(std), _NOISE_BLOCK)
+    _add_noise_kernel[(programs[-1],)](table, n, float(std), n.bit_length(), _NOISE_BLOCK, dtype)
 
 
 _NOISE_BLOCK = 4096
 
 
 @_jit
-def _add_noise_kernel(grad_ptr, numel, first, key, std, BLOCK: tl.constexpr):
-    # grad[i] += std * z[first + i], z[e] the normal that Philox draws from (key, counter e // 4) in lane
-    # [0, 2, 1, 3][e % 4]: a function of the element's index in the global tensor alone. One pass over the
-    # gradient, no noise tensor in memory.
-    start = (first // BLOCK + tl.program_id(0).to(tl.int64)) * BLOCK  # global index of this block's first element
-    counters = start // 4 + tl.arange(0, BLOCK // 4)
-    z0, z1, z2, z3 = tl.randn4x(key, counters)
-    z = tl.reshape(tl.join(tl.join(z0, z1), tl.join(z2, z3)), (BLOCK,))  # element 4 j + 2 a + b: z_(2 b + a)[j]
-    local = start + tl.arange(0, BLOCK) - first
-    mask = (local >= 0) & (local < numel)
-    g = tl.load(grad_ptr + local, mask=mask)
-    tl.store(grad_ptr + local, (g.to(tl.float32) + std * z).to(g.dtype), mask=mask)
-
-
-@_jit
-def _add_noise_many_kernel(table, n, std, STEPS: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr):
-    # _add_noise_kernel for many tensors: table holds n pointers, numels, firsts, keys, then n + 1 program offsets
-    # (tensor t owns programs offsets[t] ... offsets[t + 1] - 1). Each program finds its tensor by bisection.
+def _add_noise_kernel(table, n, std, STEPS: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr):
+    # grad[i] += std * z[first + i] for each of n tensors, z[e] the normal that Philox draws from (key, counter e // 4)
+    # in lane [0, 2, 1, 3][e % 4]: a function of the element's index in the global tensor alone. One pass over each
+    # gradient, no noise tensor in memory. table holds n pointers, numels, firsts, keys, then n + 1 program offsets
+    # (tensor t owns programs offsets[t] ... offsets[t + 1] - 1); each program finds its tensor by bisection.
     pid = tl.program_id(0).to(tl.int64)
     offsets = table + 4 * n
     lo = pid * 0
@@ -186,17 +162,21 @@ def _add_noise_many_kernel(table, n, std, STEPS: tl.constexpr, BLOCK: tl.constex
     numel = tl.load(table + n + lo)
     first = tl.load(table + 2 * n + lo)
     key = tl.load(table + 3 * n + lo)
-    start = (first // BLOCK + pid - tl.load(offsets + lo)) * BLOCK  # as in _add_noise_kernel
+    start = (first // BLOCK + pid - tl.load(offsets + lo)) * BLOCK  # global index of this block's first element
     counters = start // 4 + tl.arange(0, BLOCK // 4)
     z0, z1, z2, z3 = tl.randn4x(key, counters)
-    z = tl.reshape(tl.join(tl.join(z0, z1), tl.join(z2, z3)), (BLOCK,))
+    z = tl.reshape(tl.join(tl.join(z0, z1), tl.join(z2, z3)), (BLOCK,))  # element 4 j + 2 a + b: z_(2 b + a)[j]
     local = start + tl.arange(0, BLOCK) - first
     mask = (local >= 0) & (local < numel)
     g = tl.load(grad_ptr + local, mask=mask)
     tl.store(grad_ptr + local, (g.to(tl.float32) + std * z).to(g.dtype), mask=mask)
 
 
-_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16} if triton else {}
+_TL_DTYPES = (
+    {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float64: tl.float64}
+    if triton
+    else {}
+)
 
 
 def _noise_blocks(global_shape, region, name, seed, step, device):
