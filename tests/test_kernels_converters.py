@@ -15,7 +15,13 @@ from tests.conftest import assert_close_by_name, debug_dit_outputs_and_grads
 from torchtitan.dp.testing import rerun_under_triton_interpreter
 from torchtitan.job_config import Float8
 from torchtitan.kernels.converters import Conversion, apply_converters
-from torchtitan.kernels.dit_modules import FusedNormDiTBlock, ResidualStream, residual_finished
+from torchtitan.kernels.dit_modules import (
+    FusedNormDiTBlock,
+    FusedQKVAttention,
+    ResidualStream,
+    apply_fused_qkv,
+    residual_finished,
+)
 from torchtitan.kernels.triton_support import triton, triton_interpreting
 from torchtitan.models.dit import DiT, dit_configs
 from torchtitan.parallelisms.utils import apply_ac, checkpointed_blocks
@@ -30,13 +36,14 @@ def test_kernels_in_interpreter():
     rerun_under_triton_interpreter(__file__, min_passed=19)
 
 
-def converted(names: list[str], ac_mode: str = "none", ac_option: str = "op"):
+def converted(names: list[str], ac_mode: str = "none", ac_option: str = "op", compiled: bool = False):
     """A `prepare` for debug_dit_outputs_and_grads: the converters, then activation checkpointing, as parallelize_dit
-    applies them."""
+    applies them (`compiled`: as it does for blocks it will compile; compiling is left to the caller)."""
 
     def prepare(model: DiT) -> Conversion:
         checkpointed = checkpointed_blocks(len(model.blocks), ac_mode, ac_option)
-        conversion = apply_converters(model, names, checkpointed, Float8(emulate=True), fsdp_enabled=False)
+        conversion = apply_converters(model, names, checkpointed, Float8(emulate=True), fsdp_enabled=False,
+                                      compiled=compiled)  # fmt: skip
         if ac_mode != "none":
             apply_ac(model.blocks, ac_mode, ac_option, save_ops=conversion.save_ops)
         return conversion
@@ -102,6 +109,24 @@ def test_finish_residual_rule():
     blocks = [b._checkpoint_wrapped_module if hasattr(b, "_checkpoint_wrapped_module") else b
               for b in model.blocks.values()]  # fmt: skip
     assert [b.finish_residual for b in blocks] == residual_finished(checkpointed)
+
+
+def test_fused_qkv_leaves_compiled_checkpointed_blocks_plain():
+    # torch.compile saves what an autograd function's forward makes inside a checkpointed block instead of
+    # recomputing it (pytorch/pytorch#177396; on an H100 with torch 2.11 a compiled, fully checkpointed DiT block
+    # kept 4 more (B, T, D) tensors with the fused qkv than without), so those blocks keep the plain attention.
+    def attentions(ac_mode, compiled):
+        model = DiT(dataclasses.replace(dit_configs["debug"], depth=4))
+        converted(["fused_qkv"], ac_mode, "2", compiled)(model)
+        blocks = [getattr(b, "_checkpoint_wrapped_module", b) for b in model.blocks.values()]
+        return ["fused" if isinstance(b.attn, FusedQKVAttention) else "plain" for b in blocks]
+
+    assert attentions("selective", compiled=True) == ["plain", "fused", "plain", "fused"]
+    assert attentions("full", compiled=True) == ["plain"] * 4
+    assert attentions("full", compiled=False) == ["fused"] * 4  # eager checkpointing recomputes them
+    assert attentions("none", compiled=True) == ["fused"] * 4
+    with pytest.raises(ValueError, match="fused_qkv: keep_plain names 3 blocks, the model has 4"):
+        apply_fused_qkv(DiT(dataclasses.replace(dit_configs["debug"], depth=4)), [False] * 3)
 
 
 def test_a_handing_block_returns_the_stream_in_parts():

@@ -13,7 +13,13 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from torchtitan.kernels.dit_modules import apply_fused_mlp, apply_fused_norm, apply_fused_qkv, residual_finished
+from torchtitan.kernels.dit_modules import (
+    apply_fused_mlp,
+    apply_fused_norm,
+    apply_fused_qkv,
+    qkv_keeps_plain,
+    residual_finished,
+)
 from torchtitan.tools.logging import logger
 
 # Each converter's name and what it does (config errors list them; `[model] converters` defaults to the first three).
@@ -40,7 +46,7 @@ class Conversion:
 
 
 def apply_converters(model: nn.Module, names: list[str], checkpointed: list[bool], float8_config,
-                     fsdp_enabled: bool) -> Conversion:  # fmt: skip
+                     fsdp_enabled: bool, compiled: bool = False) -> Conversion:  # fmt: skip
     """Applies the named converters to a plain DiT in place, in the order given.
 
     Args:
@@ -50,6 +56,8 @@ def apply_converters(model: nn.Module, names: list[str], checkpointed: list[bool
             fused_norm those, and the block before each, finish their own residual.
         float8_config: the `[quantize.linear.float8]` section (recipe_name, filter_fqns, emulate).
         fsdp_enabled: whether FSDP will shard the model (float8's all-gather).
+        compiled: whether torch.compile will trace the blocks: fused_qkv then leaves checkpointed blocks plain
+            (dit_modules.qkv_keeps_plain).
 
     Raises:
         ValueError: an unknown converter name (config validation names the key and its source first).
@@ -61,7 +69,11 @@ def apply_converters(model: nn.Module, names: list[str], checkpointed: list[bool
         elif name == "fused_mlp":
             conversion.save_ops |= apply_fused_mlp(model)
         elif name == "fused_qkv":
-            apply_fused_qkv(model)
+            keep_plain = qkv_keeps_plain(checkpointed, compiled)
+            apply_fused_qkv(model, keep_plain)
+            if any(keep_plain):
+                logger.info(f"fused_qkv: {sum(keep_plain)} compiled, checkpointed blocks keep the plain attention "
+                            "(compile would keep the fused op's tensors: dit_modules.qkv_keeps_plain)")  # fmt: skip
         elif name == "float8":
             conversion.float8_fsdp_all_gather = apply_float8(model, float8_config, fsdp_enabled)
         else:

@@ -20,11 +20,11 @@ def parallelize_dit(model: nn.Module, parallel_dims: ParallelDims, job_config) -
     # One rule says which blocks AC wraps: the fused_norm converter needs it too (those blocks and the block
     # before each finish their own residual).
     checkpointed = checkpointed_blocks(len(model.blocks), ac.mode, ac.selective_ac_option)
-    conversion = apply_converters(model, job_config.model.converters, checkpointed, job_config.quantize.linear.float8,
-                                  parallel_dims.fsdp_enabled)  # fmt: skip
-    model.float8_fsdp_all_gather = conversion.float8_fsdp_all_gather  # read by the trainer after each step
     compile_config = job_config.compile
     compiled = compile_config.enable and "model" in compile_config.components  # scope "model": one device
+    conversion = apply_converters(model, job_config.model.converters, checkpointed, job_config.quantize.linear.float8,
+                                  parallel_dims.fsdp_enabled, compiled)  # fmt: skip
+    model.float8_fsdp_all_gather = conversion.float8_fsdp_all_gather  # read by the trainer after each step
     if ac.mode != "none":
         apply_ac(model.blocks, ac.mode, ac.selective_ac_option, save_ops=conversion.save_ops)
     if compiled:
