@@ -195,8 +195,9 @@ def activation_derivation(train_args: list[str], device: str) -> dict:
 
 
 def summarize(run: Run, run_dir: Path, snapshot: Path) -> dict:
-    """One run's row: its knobs and status; when ok, the peak, the measured activations (the most any forward
-    stage of a training step held), the derivation and relative error, and the snapshot's largest allocations."""
+    """One run's row: its knobs and status; when ok, the peak, the measured activations (the most a forward stage
+    of the last, steady step held: the first also makes cuBLAS's workspace), the derivation and relative error,
+    and the snapshot's largest allocations."""
     status = read_status(run_dir)
     row = {"name": run.name, **run.knobs, "status": status.get("status", "not run"), "run_dir": str(run_dir)}
     result_file = run_dir / "result.json"
@@ -211,6 +212,7 @@ def summarize(run: Run, run_dir: Path, snapshot: Path) -> dict:
     row.update(device=result["device"], peak_bytes=result["peak_bytes"], parameters_bytes=parameters)
     if run.knobs["pass"] == "forward" or not forward:
         return row
+    forward = [r for r in forward if r["step"] == forward[-1]["step"]]
     row["activations_bytes"] = max(r["activations"] for r in forward)
     row["saved_for_backward_bytes"] = max(r["saved_for_backward"] for r in forward)
     derivation = activation_derivation(run.args, result["device"])
@@ -304,7 +306,8 @@ def write_report(rows: list[dict], opts, out: Path) -> Path:
              "## Activations: derivation against measurement (training runs)", "",
              "One residual-stream tensor is B x T x d x bytes; the estimate is torchtitan/tools/memory_estimate.py's "
              "activations (with autocast's bf16 weight copies under bf16), the measurement the breakdown's "
-             "activations after forward (what the step keeps for backward, with the batch and the logits); "
+             "activations after the last step's forward (the bytes it asked the allocator for and keeps for "
+             "backward, the logits included; the allocator's rounding and cuBLAS's workspaces are its \"other\"); "
              "relative error = (estimate - measured) / measured.", "",
              *activation_table(rows)]  # fmt: skip
     errors = sorted({r["derivation"]["estimate_error"] for r in rows if "estimate_error" in r.get("derivation", {})})

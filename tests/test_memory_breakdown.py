@@ -88,6 +88,36 @@ def test_dp_buffers_and_shared_storages():
     assert counted["dp_buffers"] == 123
 
 
+def test_cuda_parts_come_from_the_allocator(monkeypatch):
+    """On CUDA: activations are the bytes requested since the step began, less the parts; the allocator's rounding
+    and what was there before the step (cuBLAS workspaces) are "other". Here the allocator is simulated: a 25 MiB
+    parameter in a 26 MiB block, a 32 MiB workspace, then a forward that asks for 10 MiB and gets 11 MiB."""
+    mib = 2**20
+    state = {"requested": 25 * mib + 32 * mib, "allocated": 26 * mib + 32 * mib}
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(
+        torch.cuda, "memory_stats", lambda device=None: {"requested_bytes.all.current": state["requested"]}
+    )
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: state["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: state["allocated"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    breakdown = MemoryBreakdown(torch.nn.Linear(1, 1), None, torch.device("cuda"))
+    owned = {part: 0 for part in PARTS if part not in ("activations", "other")}
+    monkeypatch.setattr(breakdown, "_parts", lambda: ({**owned, "parameters": 25 * mib}, {}))
+    init = breakdown.record("init", 0)
+    assert (init["activations"], init["other"], init["total"]) == (0, 33 * mib, 58 * mib)
+    with breakdown.track(1):
+        state["requested"] += 10 * mib
+        state["allocated"] += 11 * mib
+    with breakdown.track(1):  # the step's backward: the baseline stays the step's
+        pass
+    forward = breakdown.record("forward", 1)
+    assert (forward["activations"], forward["other"], forward["total"]) == (10 * mib, 34 * mib, 69 * mib)
+    with breakdown.track(2):  # the next step: what step 1 left is its baseline
+        pass
+    assert breakdown.record("forward", 2)["activations"] == 0
+
+
 def test_observer_records_the_first_steps_then_writes(tmp_path):
     """The observer as the trainer calls it: records the run's first N steps (here resumed at step 6), then writes."""
     from torchtitan.tools.memory_breakdown import MemoryBreakdownObserver

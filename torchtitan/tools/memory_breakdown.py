@@ -9,12 +9,17 @@ or in a training run with `[profiling] enable_memory_breakdown = true` (the trai
 the stages of its step).
 
 Tensor-owned parts are counted from the tensors themselves, one count per storage (FSDP's DTensor shards
-count their local, padded storage). Activations are what the rest of the step keeps alive:
-- on CUDA, `torch.cuda.memory_allocated()` minus the tensor-owned parts (so it also holds FSDP's gathered
-  parameters, autocast's weight copies and the batch);
+count their local, padded storage). Activations are what the step's forward and backward keep alive:
+- on CUDA, the bytes requested from the caching allocator since the step began (`track()`) and still held,
+  less the tensor-owned parts (so they also hold FSDP's gathered parameters and autocast's weight copies);
+  compiled code allocates through the same allocator, so this sees what a TorchDispatchMode cannot. "other" is
+  the rest of `torch.cuda.memory_allocated()`: the allocator's rounding of every block (a 25 MiB tensor can hold
+  a 26 MiB block), and what was allocated before the step and is no part (cuBLAS's workspaces, 32 MiB for each
+  thread that runs a matmul on an H100; the batch). Counting those as activations put the CS336 sizes' estimate
+  20% under at context 128 (docs/benchmarks.md);
 - on CPU, where no allocator keeps count, the storages created by ops during forward and backward that are
   still alive (a TorchDispatchMode sees every op, including what selective checkpointing caches), minus the
-  tensor-owned parts. This is exact for eager models, which makes the breakdown testable on CPU.
+  tensor-owned parts. This is exact for eager models, which makes the breakdown testable on CPU. "other" is 0.
 The bytes that autograd saves for backward (saved_tensors_hooks, unique storages) are recorded beside them.
 """
 
@@ -28,8 +33,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-PARTS = ("parameters", "gradients", "optimizer_states", "ema", "buffers", "fsdp_gathered", "dp_buffers", "activations")
-_COLORS = dict(zip(PARTS, ("#4c72b0", "#dd8452", "#55a868", "#8172b3", "#937860", "#8c8c8c", "#da8bc3", "#c44e52")))
+PARTS = ("parameters", "gradients", "optimizer_states", "ema", "buffers", "fsdp_gathered", "dp_buffers", "activations",
+         "other")  # fmt: skip
+_COLORS = dict(zip(PARTS, ("#4c72b0", "#dd8452", "#55a868", "#8172b3", "#937860", "#8c8c8c", "#da8bc3", "#c44e52",
+                           "#cccccc")))  # fmt: skip
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -93,6 +100,11 @@ def fsdp_parameters(model: torch.nn.Module) -> tuple[list[torch.Tensor], list[to
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """Every tensor in the optimizer's state (AdamW: exp_avg, exp_avg_sq and the step counters)."""
     return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+def _requested_bytes(device: torch.device) -> int:
+    """Bytes that callers asked the CUDA caching allocator for and still hold (before its rounding to blocks)."""
+    return torch.cuda.memory_stats(device)["requested_bytes.all.current"]
 
 
 class LiveTensorTracker(TorchDispatchMode):
@@ -182,10 +194,20 @@ class MemoryBreakdown:
         self.records: list[dict] = []
         self.tracker = LiveTensorTracker() if device.type != "cuda" else None
         self.saved = SavedTensorCounter()
+        self.outside = None  # CUDA: bytes requested before the step began that are no part (set by track())
+        self._outside_step = None
 
     @contextlib.contextmanager
-    def track(self):
-        """Wrap forward and backward: follows the tensors they create and the ones autograd saves."""
+    def track(self, step: int | None = None):
+        """Wrap forward and backward: follows the tensors they create and the ones autograd saves.
+
+        step: the step the wrapped code belongs to. On CUDA the first `track` of a step (every one without a step)
+        takes what is allocated and no part as the step's baseline, "other" from then on.
+        """
+        if self.device.type == "cuda" and (step is None or step != self._outside_step):
+            torch.cuda.synchronize(self.device)
+            self.outside = _requested_bytes(self.device) - sum(self._parts()[0].values())
+            self._outside_step = step
         with contextlib.ExitStack() as stack:
             stack.enter_context(self.saved.hooks())
             if self.tracker is not None:
@@ -225,10 +247,14 @@ class MemoryBreakdown:
         tensor_owned = sum(parts.values())
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            parts["activations"] = max(0, torch.cuda.memory_allocated(self.device) - tensor_owned)
+            requested, allocated = _requested_bytes(self.device), torch.cuda.memory_allocated(self.device)
+            outside = requested - tensor_owned if self.outside is None else self.outside  # before a step: all
+            parts["activations"] = max(0, requested - tensor_owned - outside)
+            parts["other"] = max(0, allocated - tensor_owned - parts["activations"])
             peak = torch.cuda.max_memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
+            parts["other"] = 0
             parts["activations"] = sum(s.nbytes() for s in self.tracker.alive() if _key(s) not in owned)
             untracked = sum(n for k, n in owned.items() if k not in self.tracker.storages)
             peak = self.tracker.peak + untracked
@@ -314,7 +340,7 @@ class MemoryBreakdownObserver:
         return step < self.first_step + self.steps
 
     def track(self, step: int):
-        return self.breakdown.track() if self._active(step) else contextlib.nullcontext()
+        return self.breakdown.track(step) if self._active(step) else contextlib.nullcontext()
 
     def stage(self, name: str, step: int) -> None:
         if not self._active(step):
