@@ -244,6 +244,23 @@ def test_autocast_bf16_runs_close_to_fp32():
             assert ((p.grad - ref[name]).norm() / ref[name].norm()) < 0.1, name
 
 
+def test_coefficients_are_prepared_once_per_dtype_and_rounded_down():
+    # Every layer of a step scales by the same coefficients: one prepared tensor per operand dtype. In bf16 each is
+    # shrunk by one rounding step, so a coefficient of 1 (an unclipped sample) never rounds above 1.
+    from torchtitan.dp.layers import Coefficients, scale_per_sample, weighted_sum
+
+    coef = Coefficients(torch.tensor([1.0, 0.5, 0.25]))
+    bf16 = coef.for_operand(torch.bfloat16)
+    assert coef.for_operand(torch.bfloat16) is bf16 and bf16.dtype == torch.float32
+    assert bf16[0] < 1 and torch.equal(bf16, bf16.bfloat16().float())  # bf16 values, below the exact ones
+    assert torch.equal(coef.for_operand(torch.float32), coef.values)
+    t = torch.ones(3, 2, dtype=torch.bfloat16)
+    assert torch.equal(scale_per_sample(t, coef), bf16.bfloat16().view(3, 1).expand(3, 2))
+    assert scale_per_sample(t, None) is t
+    assert torch.equal(weighted_sum(coef, torch.ones(3, 4)), torch.full((4,), 1.75))
+    assert torch.equal(weighted_sum(None, torch.ones(3, 4)), torch.full((4,), 3.0))
+
+
 def test_frozen_parameters_are_skipped():
     model = nn.Sequential(nn.Conv1d(2, 4, 1), nn.Flatten(), nn.Linear(4 * 3, 2))
     model[0].requires_grad_(False)  # a module with no rule is fine once frozen

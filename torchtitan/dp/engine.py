@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.dp import distributed as dpdist
 from torchtitan.dp.capture import LayerCapture, LayerRecord, outside_uses
+from torchtitan.dp.layers import Coefficients
 from torchtitan.dp.noise import add_gaussian_noise_many_
 
 DP_MODES = ("vanilla", "ghost", "flash", "bookkeeping", "flash_bookkeeping")
@@ -192,7 +193,7 @@ class DPEngine:
                 self._grad_pass((losses * (coef / batch)).sum(), token)
                 self._write_grads(None)
             else:
-                self._write_grads(coef / batch)
+                self._write_grads(Coefficients(coef / batch))
         finally:
             capture.reset()
             self._norm_sq = None
@@ -289,7 +290,7 @@ class DPEngine:
         else:
             (loss_sum / batch).backward()
 
-    def _write_grads(self, scale: torch.Tensor | None) -> None:
+    def _write_grads(self, scale: Coefficients | None) -> None:
         """sum_i scale_i g_i per parameter, reduced over ranks, into .grad: book-keeping's one matmul per layer from
         the kept input and output gradient, or (scale None) the gradients ghost clipping's second pass left."""
         plain = []

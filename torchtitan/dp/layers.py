@@ -43,7 +43,8 @@ class LayerRule:
         param_names: the direct parameters the rule knows; any other trainable one is refused.
         forward: (module, *args, **kwargs) -> output: the module type's forward with every parameter detached.
         norm_sq: (module, x, g, trainable names, flash, group, state) -> (B,) float32 squared per-sample norms.
-        grads: (module, x, g, coef (B,) or None, trainable names, group, state) -> {name: sum_i coef_i grad_i}.
+        grads: (module, x, g, coef, trainable names, group, state) -> {name: sum_i coef_i grad_i}, for coef the
+            step's `Coefficients` or None.
             `group` is the augmult K: rows per sample (1 without augmult). `state` is a dict the rule owns
             for one step of one module: empty when norm_sq is called, and what norm_sq left in it when
             grads is (book-keeping calls grads after norm_sq on the same step). Two-pass modes call grads alone,
@@ -85,41 +86,39 @@ def detached(module: nn.Module, name: str) -> torch.Tensor | None:
     return None if param is None else param.detach()
 
 
-def scale_per_sample(t: torch.Tensor, coef: torch.Tensor | None) -> torch.Tensor:
-    """t * coef broadcast over the leading (batch) dim, in t's dtype (t itself for coef None).
+class Coefficients:
+    """One step's per-sample clipping coefficients, as every layer's `grads` takes them.
 
-    In bf16/fp16 the coefficient is shrunk by one rounding step first, so rounding never makes
-    a clipped gradient longer than max_grad_norm (which would void the sensitivity bound).
+    Every layer of a step scales by the same coefficients, so their form for an operand dtype is prepared once
+    per dtype (`for_operand`), not once per layer.
+
+    Attributes:
+        values: (B,) the coefficients, float32.
     """
-    if coef is None:
-        return t
-    return scale_samples(t, _coefficients(coef, t.dtype))
+
+    def __init__(self, values: torch.Tensor):
+        self.values = values
+        self._prepared: dict[torch.dtype, torch.Tensor] = {}
+
+    def for_operand(self, dtype: torch.dtype) -> torch.Tensor:
+        """The values as `scale_samples` takes them for a `dtype` operand: float32 values of `dtype`. In bf16/fp16
+        each is shrunk by one rounding step first, so rounding never makes a clipped gradient longer than
+        max_grad_norm (which would void the sensitivity bound)."""
+        prepared = self._prepared.get(dtype)
+        if prepared is None:
+            shrink = 1 - torch.finfo(dtype).eps if dtype in (torch.bfloat16, torch.float16) else 1
+            prepared = self._prepared[dtype] = (self.values * shrink).to(dtype).float()
+        return prepared
 
 
-_COEF_CACHE: list = []  # [(coef, dtype, prepared)]: the step's coefficients, prepared once per dtype
+def scale_per_sample(t: torch.Tensor, coef: Coefficients | None) -> torch.Tensor:
+    """t * coef broadcast over the leading (batch) dim, in t's dtype (t itself for coef None)."""
+    return t if coef is None else scale_samples(t, coef.for_operand(t.dtype))
 
 
-def _coefficients(coef: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """coef as scale_samples takes it for a `dtype` operand: float32 values of `dtype` (shrunk for bf16/fp16).
-
-    Every layer of a step scales by the same coefficients: they are prepared once per dtype, not per layer.
-    """
-    for cached, cached_dtype, prepared in _COEF_CACHE:
-        if cached is coef and cached_dtype == dtype:
-            return prepared
-    if dtype in (torch.bfloat16, torch.float16):
-        prepared = (coef * (1 - torch.finfo(dtype).eps)).to(dtype).float()
-    else:
-        prepared = coef.to(dtype).float()
-    if _COEF_CACHE and _COEF_CACHE[0][0] is not coef:
-        _COEF_CACHE.clear()  # a new step's coefficients: drop the last step's
-    _COEF_CACHE.append((coef, dtype, prepared))
-    return prepared
-
-
-def weighted_sum(coef: torch.Tensor | None, per_sample: torch.Tensor) -> torch.Tensor:
+def weighted_sum(coef: Coefficients | None, per_sample: torch.Tensor) -> torch.Tensor:
     """sum_i coef_i per_sample_i over the leading dim, in float32 (plain sum for coef None)."""
-    return per_sample.sum(0) if coef is None else coef.float() @ per_sample
+    return per_sample.sum(0) if coef is None else coef.values.float() @ per_sample
 
 
 # Linear and Conv2d: a matmul per token, weight grad A^T G.
