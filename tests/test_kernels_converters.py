@@ -33,7 +33,7 @@ KERNEL_NODES = {"fused_norm": "modulated_norm_fwd", "fused_mlp": "bias_act_fwd",
 
 @pytest.mark.skipif(triton is None or triton_interpreting(), reason="this is the child, or triton is not installed")
 def test_kernels_in_interpreter():
-    rerun_under_triton_interpreter(__file__, min_passed=19)
+    rerun_under_triton_interpreter(__file__, min_passed=18)
 
 
 def converted(names: list[str], ac_mode: str = "none", ac_option: str = "op", compiled: bool = False):
@@ -82,6 +82,10 @@ def assert_matches_the_plain_model(names: list[str], ac: tuple[str, str] = ("non
 def test_each_converter_and_all_match_the_plain_model(names, ac):
     # Every 2nd block checkpointed: under fused_norm blocks 0, 1, 2 finish their residual and block 3 hands it on
     # in parts, so both hand-overs and the final layer's stream are exercised.
+    if triton_interpreting() and names == ["fused_norm"]:
+        # The interpreter's slowest kernels (15-18 s a run on 2 cores): all three converters run them in the same
+        # settings, with the node and the numbers checked, so the child runs them there only.
+        pytest.skip("fused_norm's kernels run in the interpreter with all converters")
     assert_matches_the_plain_model(names, ac)
 
 
