@@ -19,6 +19,12 @@ def test_philox_noise_in_interpreter():
     rerun_under_triton_interpreter(__file__, min_passed=7)
 
 
+def test_interpreter_reruns_are_for_machines_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(pytest.skip.Exception, match="CUDA is here"):
+        rerun_under_triton_interpreter(__file__, min_passed=7)
+
+
 def test_noise_statistics():
     param = torch.empty(300, 500)
     values = dpnoise.gaussian_noise(param, "w", seed=0, step=0, std=2.0)
