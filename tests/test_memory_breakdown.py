@@ -50,7 +50,7 @@ def test_json_and_png_are_written(training):
     result, folder = training
     assert result["json"] == str(folder / "memory_breakdown.json")
     saved = json.loads((folder / "memory_breakdown.json").read_text())
-    assert saved["device"] == "cpu" and saved["records"] == result["records"]
+    assert saved["device"] == ("cuda" if torch.cuda.is_available() else "cpu") and saved["records"] == result["records"]
     with Image.open(folder / "memory_breakdown.png") as image:
         assert image.size[0] > 300 and image.size[1] > 200
 
@@ -151,6 +151,7 @@ def test_a_training_run_writes_its_breakdown(tmp_path):
     assert [(r["step"], r["stage"]) for r in records] == [(0, "init")] + [(s, n) for s in (1, 2) for n in STAGES[1:]]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="byte counts of the fp32 CPU step (CUDA trains in bf16)")
 @pytest.mark.parametrize("mode", ["bookkeeping", "flash"])
 def test_dp_buffers_at_the_norm_stage(tmp_path, mode):
     """Under DP a "dp_norms" stage is recorded inside the engine's backward, when its buffers peak."""
