@@ -248,8 +248,8 @@ class MemoryBreakdown:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             requested, allocated = _requested_bytes(self.device), torch.cuda.memory_allocated(self.device)
-            outside = requested - tensor_owned if self.outside is None else self.outside  # before a step: all
-            parts["activations"] = max(0, requested - tensor_owned - outside)
+            # Before the first step nothing is an activation: what is not a part is "other".
+            parts["activations"] = 0 if self.outside is None else max(0, requested - tensor_owned - self.outside)
             parts["other"] = max(0, allocated - tensor_owned - parts["activations"])
             peak = torch.cuda.max_memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
