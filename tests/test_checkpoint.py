@@ -45,13 +45,16 @@ def run_folder(four_checkpoints, tmp_path):
     return out
 
 
-def test_unloadable_checkpoints_refuse_to_start_and_are_kept(run_folder):
+@pytest.mark.parametrize("change, why", [
+    (["--dp.enable", "true"], "checkpoint has no 'dp' state"),
+    (["--optimizer.name", "SGD"], "it was written with optimizer.name = 'AdamW', this run has 'SGD'"),
+])  # fmt: skip
+def test_unloadable_checkpoints_refuse_to_start_and_are_kept(run_folder, change, why):
     before = snapshot(run_folder)
-    result = run_train([*CKPT, "--job.dump_folder", str(run_folder), "--training.steps", "10", "--dp.enable", "true"],
-                       check=False)  # fmt: skip
+    result = run_train([*CKPT, "--job.dump_folder", str(run_folder), "--training.steps", "10", *change], check=False)
     assert result.returncode == 2
     for step in (2, 4, 6, 8):  # each one named, with why
-        assert f"step-{step}: ValueError: checkpoint has no 'dp' state" in result.stderr
+        assert f"step-{step}: ValueError: {why}" in result.stderr
     assert snapshot(run_folder) == before  # nothing removed, nothing written
     assert len(read_metrics(run_folder)) == 8
 

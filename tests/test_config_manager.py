@@ -288,6 +288,19 @@ def test_combination_errors_name_each_key_source(tmp_path):
     assert str(err.value).startswith(f"dp.enable in {path} with model.converters in the command line:")
 
 
+def test_a_setting_of_the_other_optimizer_is_refused_by_name(tmp_path):
+    path = write(tmp_path, "[optimizer]\nname = \"SGD\"\nmomentum = 0.9\n")
+    assert parse_args(["--job.config_file", path]).optimizer.momentum == 0.9
+    with pytest.raises(ConfigError, match=f"optimizer.beta2 = 0.95 in the command line: optimizer.name 'SGD' "
+                                          f"\\(in {path}\\) has no such setting"):  # fmt: skip
+        parse_args(["--job.config_file", path, "--optimizer.beta2", "0.95"])
+    with pytest.raises(ConfigError, match="optimizer.momentum = 0.9 in the command line: optimizer.name 'AdamW' "
+                                          "\\(in the defaults\\) has no such setting"):  # fmt: skip
+        parse_args(["--optimizer.momentum", "0.9"])
+    with pytest.raises(ConfigError, match="optimizer.momentum = 1.0 in the command line: must be in \\[0, 1\\)"):
+        parse_args(["--optimizer.name", "SGD", "--optimizer.momentum", "1.0"])
+
+
 def test_every_bad_key_is_reported_at_once(tmp_path):
     path = write(tmp_path, "[optimizer]\nlr = -1.0\n[training]\nsteps = 0\n")
     with pytest.raises(ConfigError) as err:

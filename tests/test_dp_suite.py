@@ -266,6 +266,21 @@ def test_llama3_suite_dry_run_builds_the_runs_of_the_origin_document(capsys):
         run_fsdp_suite.main(["--model", "llama3", "--flavor", "debugmodel", "--tokens", "512", "--dry-run"])
 
 
+def test_llama3_suite_on_one_process_runs_fsdp_on_a_one_rank_mesh(capsys):
+    argv = ["--model", "llama3", "--nproc", "1", "--tokens", "1024", "--dry-run", "--output-dir", "/tmp/llama3_one",
+            "--optimizer.name", "SGD"]  # fmt: skip
+    assert run_fsdp_suite.main(argv) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "_bs" in line.split(":")[0]]
+    assert [line.split(":")[0] for line in lines] == [f"{m}_t1024_bs2" for m in run_fsdp_suite.MODES]
+    for line in lines:
+        assert "torch.distributed.run" not in line and "--nproc_per_node" not in line
+        cfg = parse_args(train_flags(line.split(": ", 1)[1]))
+        assert cfg.parallelism.fsdp_single_device and cfg.parallelism.data_parallel_shard_degree == 1
+        assert (cfg.model.flavor, cfg.optimizer.name) == ("Llama-3.1-8B", "SGD")
+    with pytest.raises(SystemExit, match="at least 1"):
+        run_fsdp_suite.main(["--nproc", "0", "--dry-run"])
+
+
 def test_llama3_suite_shell_wrapper_leaves_the_model_defaults_to_python():
     env = {**os.environ, "PYTHON": sys.executable, "MODEL": "llama3", "NPROC": "8", "FLAVOR": "Llama-3.2-3B",
            "TOKENS": "2048", "OUTPUT_DIR": "/tmp/llama3_suite_dry"}  # fmt: skip

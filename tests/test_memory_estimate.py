@@ -74,6 +74,20 @@ def test_state_bytes_are_exact_for_the_debug_model():
     assert _count(model, optimizer, ema) == {k: estimate.parts[k] for k in _count(model, optimizer, ema)}
 
 
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_sgd_state_bytes_are_exact(momentum):
+    args = dit_configs["debug"]
+    model = DiT(args)
+    model.init_weights()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum, foreach=True)
+    ema = EMA(model, 0.999)
+    _train_step(model, args)
+    optimizer.step()
+    estimate = estimate_memory(args, 8, "fp32", optimizer=("SGD", momentum))
+    assert _count(model, optimizer, ema) == {k: estimate.parts[k] for k in _count(model, optimizer, ema)}
+    assert (estimate.parts["optimizer_states"] > 0) == (momentum > 0)
+
+
 def test_state_bytes_are_exact_for_xl2_on_meta():
     args = dit_configs["DiT-XL/2"]
     with torch.device("meta"):

@@ -25,15 +25,18 @@ DP_KEYS = ("loss", "dp_noised_grad_norm", "dp_epsilon", "dp_grad_norm_mean", "dp
            "dp_clipped_fraction")  # fmt: skip
 
 
-def test_dp_run_logs_epsilon_and_resumes_exactly(tmp_path):
-    run_train([*DP, "--job.dump_folder", str(tmp_path / "full"), "--training.local_batch_size", "16"])
+@pytest.mark.parametrize("optimizer", [[], ["--optimizer.name", "SGD", "--optimizer.momentum", "0.9"]],
+                         ids=["adamw", "sgd_momentum"])  # fmt: skip
+def test_dp_run_logs_epsilon_and_resumes_exactly(tmp_path, optimizer):
+    args = [*DP, "--training.local_batch_size", "16", *optimizer]
+    run_train([*args, "--job.dump_folder", str(tmp_path / "full")])
     full = read_metrics(tmp_path / "full")
     eps = [m["dp_epsilon"] for m in full]
     assert all(b > a > 0 for a, b in zip(eps, eps[1:]))  # privacy spent grows every step
 
     resumed = tmp_path / "resumed"
-    run_train([*DP, "--job.dump_folder", str(resumed), "--training.local_batch_size", "16", "--training.steps", "2"])
-    run_train([*DP, "--job.dump_folder", str(resumed), "--training.local_batch_size", "16"])
+    run_train([*args, "--job.dump_folder", str(resumed), "--training.steps", "2"])
+    run_train([*args, "--job.dump_folder", str(resumed)])
     assert [[m[k] for k in DP_KEYS] for m in read_metrics(resumed)] == [[m[k] for k in DP_KEYS] for m in full]
 
 

@@ -37,7 +37,7 @@ _CHOICES = {
     "diffusion.objective": ("ddpm", "rectified_flow"),
     "diffusion.timestep_sampling": ("uniform", "logit_normal"),
     "diffusion.noise_schedule": ("linear", "cosine"),
-    "optimizer.name": ("AdamW",),
+    "optimizer.name": ("AdamW", "SGD"),
     "optimizer.implementation": ("fused", "foreach", "for-loop"),
     "lr_scheduler.decay_type": ("linear", "cosine", "sqrt"),
     "training.mixed_precision_param": ("bfloat16", "float32"),
@@ -90,6 +90,7 @@ _BOUNDS = {
     "optimizer.beta2": "in [0, 1)",
     "optimizer.eps": "> 0",
     "optimizer.weight_decay": ">= 0",
+    "optimizer.momentum": "in [0, 1)",
     "lr_scheduler.warmup_steps": ">= 0",
     "lr_scheduler.decay_ratio": "in [0, 1]",
     "lr_scheduler.min_lr_factor": "in [0, 1]",
@@ -253,6 +254,14 @@ def _check_combinations(cfg, errors: list[str]) -> None:
     if cfg.training.dataset in ("imagefolder", "cifar10", "latents") and not cfg.training.dataset_path:
         errors.append(f"training.dataset_path is empty in {cfg.source_of('training.dataset_path')}: "
                       f"{at(cfg, 'training.dataset')} needs one")  # fmt: skip
+    # A key of the other optimizer, set away from its default, would otherwise be ignored without a word (a run's
+    # resolved config.toml holds every key, at its default where unused).
+    other = {"AdamW": ("momentum",), "SGD": ("beta1", "beta2", "eps")}
+    for name in other.get(cfg.optimizer.name, ()):
+        key = f"optimizer.{name}"
+        if getattr(cfg.optimizer, name) != getattr(type(cfg.optimizer)(), name):
+            errors.append(f"{at(cfg, key)}: optimizer.name {cfg.optimizer.name!r} (in "
+                          f"{cfg.source_of('optimizer.name')}) has no such setting")  # fmt: skip
     if cfg.checkpoint.create_seed_checkpoint and not cfg.checkpoint.enable:
         errors.append(f"{keys_in(cfg, 'checkpoint.create_seed_checkpoint', 'checkpoint.enable')}: "
                       "a seed checkpoint needs checkpoint.enable = true")  # fmt: skip

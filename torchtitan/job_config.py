@@ -134,7 +134,7 @@ class Diffusion:
 @dataclass
 class Optimizer:
     name: str = "AdamW"
-    """Only AdamW."""
+    """'AdamW' or 'SGD' (DP-SGD's own; with momentum 0 it keeps no state, a quarter of AdamW's memory per weight)."""
     lr: float = 1e-4
     """Peak learning rate."""
     beta1: float = 0.9
@@ -144,7 +144,9 @@ class Optimizer:
     eps: float = 1e-8
     """Adam epsilon."""
     weight_decay: float = 0.0
-    """Decoupled weight decay (DiT uses 0)."""
+    """Weight decay (DiT uses 0): AdamW's is decoupled; SGD's adds weight_decay x weight to the gradient."""
+    momentum: float = 0.0
+    """SGD's momentum (0: plain SGD). AdamW's counterpart is beta1."""
     implementation: str = "fused"
     """'fused' (CUDA only; falls back to foreach on CPU), 'foreach' or 'for-loop'."""
 

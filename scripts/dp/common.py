@@ -49,7 +49,8 @@ def suite_run(knobs: dict, config: str, steps: int, breakdown_steps: int, extra:
     """The run of a suite point (`suite_knobs`): train.py flags of its mode and size, then `extra`, last so it wins.
 
     Args:
-        knobs: suite ("dp": one process, suite a; "fsdp": FSDP over nproc processes, suite b), mode (NON_PRIVATE
+        knobs: suite ("dp": one process, suite a; "fsdp": FSDP over nproc processes, suite b, a one-rank mesh at
+            nproc 1), mode (NON_PRIVATE
             or a dp.mode), batch (local), input_size (pixels or latent cells a side), tokens, nproc; for a language
             model seq_len (training.seq_len) instead of input_size.
         breakdown_steps: steps the memory breakdown records (0: off, as the batch finder's probes run).
@@ -69,6 +70,8 @@ def suite_run(knobs: dict, config: str, steps: int, breakdown_steps: int, extra:
             "--training.steps", str(steps), "--metrics.log_freq", "1",
             "--parallelism.data_parallel_replicate_degree", "1",
             "--parallelism.data_parallel_shard_degree", str(k["nproc"]), *breakdown]  # fmt: skip
+    if k["suite"] == "fsdp" and k["nproc"] == 1:  # FSDP2 on a one-rank mesh: what one GPU allows of suite b
+        args += ["--parallelism.fsdp_single_device", "true"]
     return Run(name, [*args, *extra], k["nproc"], knobs=k)
 
 

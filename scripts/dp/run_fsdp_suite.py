@@ -6,7 +6,9 @@
         [--batch-sizes 2] [--output-dir outputs/dp_fsdp_suite_llama3] [train.py flags ...]
 
 Every (tokens, batch, mode) is one torchrun of train.py over --nproc processes with FSDP (shard degree
-nproc). "no_dp" is non-private training (--dp.enable false) with the same settings.
+nproc). "no_dp" is non-private training (--dp.enable false) with the same settings. --nproc 1 runs FSDP2 on a
+one-rank mesh (--parallelism.fsdp_single_device true: bf16 compute on fp32 master weights, nothing sharded), what
+one GPU allows of the suite.
 
 --model dit (the default): DiT-L/8 (train_configs/dit_l8_pixel_dp.toml); token counts set the input size: with
 patch 8, 1024, 2304 and 4096 tokens are 256, 384 and 512 pixels a side; 16 images per GPU.
@@ -48,7 +50,8 @@ def add_args(parser) -> None:
     """Suite (b)'s own options; those left unset take the defaults of --model (MODELS)."""
     parser.add_argument("--model", default="dit", choices=sorted(MODELS), help="dit: DiT-L/8; llama3: classifier")
     parser.add_argument("--flavor", default=None, help="llama3 flavor (default Llama-3.1-8B)")
-    parser.add_argument("--nproc", type=int, default=2, help="processes (GPUs) per run, FSDP over all of them")
+    parser.add_argument("--nproc", type=int, default=2, help="processes (GPUs) per run, FSDP over all of them (1: a "
+                        "one-rank mesh)")  # fmt: skip
     parser.add_argument("--tokens", default=None, help="tokens per sample (DiT: squares), space separated")
     parser.add_argument("--modes", default=" ".join(MODES), help="no_dp (non-private) and dp.mode values")
     parser.add_argument("--batch-sizes", default=None, help="local batch sizes, space or comma separated")
@@ -99,8 +102,8 @@ def plan(opts, extra: list[str]) -> tuple[list[dict], list[str]]:
 def main(argv: list[str] | None = None) -> int:
     # 20 steps: the measured setting (docs/benchmark_log.md)
     opts, extra = common.parse_suite_args(argv, __doc__, 20, add_args)
-    if opts.nproc < 2:
-        raise SystemExit("--nproc must be at least 2: FSDP shards over several processes")
+    if opts.nproc < 1:
+        raise SystemExit(f"--nproc must be at least 1 (1: FSDP2 on a one-rank mesh), got {opts.nproc}")
     points, extra = plan(opts, extra)
     what = f"{len(points)} runs over {opts.nproc} processes (FSDP)"
     if opts.model == "llama3":

@@ -131,6 +131,21 @@ def _save_failure_reason(error: BaseException, folder: Path, newest: Path | None
     return _describe_failure(error)
 
 
+# A hyperparameter that only this optimizer's param groups hold: it tells which optimizer wrote a checkpoint.
+_OPTIMIZER_SIGNS = {"AdamW": "betas", "SGD": "momentum"}
+
+
+def _check_optimizer(saved_keys, optimizer) -> None:
+    """Raises ValueError, naming optimizer.name, when the checkpoint's optimizer is not the configured one."""
+    current = type(optimizer).__name__
+    for name, sign in _OPTIMIZER_SIGNS.items():
+        if name != current and any(k.startswith("optimizer.param_groups.") and k.endswith(f".{sign}")
+                                   for k in saved_keys):  # fmt: skip
+            raise ValueError(f"it was written with optimizer.name = {name!r}, this run has {current!r}: resume with "
+                             f"{name!r}, or start a new dump_folder from it (checkpoint.initial_load_path loads "
+                             "the weights only)")  # fmt: skip
+
+
 class CheckpointManager:
     """Saves and restores model, EMA, optimizer, LR scheduler, dataloader, RNG states and step.
 
@@ -335,6 +350,8 @@ class CheckpointManager:
         metadata = dcp.FileSystemReader(str(path)).read_metadata()
         keys = {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
         full = not model_only and "optimizer" in keys  # a model-only checkpoint gives weights, no training state
+        if full:
+            _check_optimizer(metadata.state_dict_metadata, self.optimizer)
         state = self._state(model_only=not full)
         if "ema" in state and "ema" not in keys:
             del state["ema"]

@@ -234,8 +234,9 @@ def dit_model_memory(args: DiTArgs, precision: str, ac: tuple[str, str] = ("none
 def estimate_memory(args: DiTArgs, batch: int, precision: str = "bf16_autocast", ac_mode: str = "none",
                     ac_option: str = "op", compiled: bool = False, dp_shard: int = 1, dp_replicate: int = 1,
                     rank: int = 0, ema: bool = True, reshard_after_forward: str = "default",
-                    converters=(), kernels_run: bool = False) -> MemoryEstimate:  # fmt: skip
-    """Memory of one rank training DiT(args) with AdamW (Llama 3: memory_estimate_llama3.estimate_llama3_memory).
+                    converters=(), kernels_run: bool = False,
+                    optimizer: tuple[str, float] = ("AdamW", 0.0)) -> MemoryEstimate:  # fmt: skip
+    """Memory of one rank training DiT(args) (Llama 3: memory_estimate_llama3.estimate_llama3_memory).
 
     Args:
         args: the model architecture (a dit_configs flavor with overrides).
@@ -252,10 +253,12 @@ def estimate_memory(args: DiTArgs, batch: int, precision: str = "bf16_autocast",
         converters: `model.converters` (fused_norm hands the residual stream on in parts on any device).
         kernels_run: whether the converters' kernels run (CUDA, or CPU under Triton's interpreter): see
             `kernel_paths`.
+        optimizer: (optimizer.name, optimizer.momentum): "AdamW" keeps two fp32 states per weight, "SGD" one
+            with momentum > 0, none without.
     """
     model = dit_model_memory(args, precision, (ac_mode, ac_option), converters, kernels_run)
     return estimate_model_memory(model, batch, precision, ac_mode, ac_option, compiled, dp_shard, dp_replicate, rank,
-                                 ema, reshard_after_forward)  # fmt: skip
+                                 ema, reshard_after_forward, optimizer)  # fmt: skip
 
 
 def _job_precision(cfg, fsdp: bool, device_type: str) -> str:
@@ -297,9 +300,10 @@ def estimate_from_job_config(cfg, world_size: int = 1, device_type: str = "cuda"
     ac = cfg.activation_checkpoint
     compiled = cfg.compile.enable and "model" in cfg.compile.components
     model = _job_model_memory(cfg, args, precision, device_type)
+    optimizer = (cfg.optimizer.name, cfg.optimizer.momentum)
     return estimate_model_memory(model, cfg.training.local_batch_size, precision, ac.mode, ac.selective_ac_option,
                                  compiled, dims.dp_shard, dims.dp_replicate, rank, cfg.training.ema_decay > 0,
-                                 p.fsdp_reshard_after_forward)  # fmt: skip
+                                 p.fsdp_reshard_after_forward, optimizer)  # fmt: skip
 
 
 def _cli_parser() -> argparse.ArgumentParser:

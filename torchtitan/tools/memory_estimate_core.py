@@ -132,8 +132,13 @@ class ModelMemory:
     sample: str = "image"
 
 
-def _state_parts(model: ModelMemory, shard: int, rank: int, ema: bool, lines: list[str]) -> dict[str, int]:
-    """Exact parameter, gradient, AdamW and EMA bytes of one rank (all fp32 master tensors)."""
+def _state_parts(model: ModelMemory, shard: int, rank: int, ema: bool, optimizer: tuple[str, float],
+                 lines: list[str]) -> dict[str, int]:  # fmt: skip
+    """Exact parameter, gradient, optimizer-state and EMA bytes of one rank (all fp32 master tensors).
+
+    optimizer: (optimizer.name, optimizer.momentum): AdamW keeps two fp32 states and a step counter per tensor,
+    SGD a momentum buffer when momentum > 0, else nothing.
+    """
     shapes = model.shapes
     numel = sum(math.prod(s) for s in shapes.values())
     local = padded = numel
@@ -144,8 +149,16 @@ def _state_parts(model: ModelMemory, shard: int, rank: int, ema: bool, lines: li
                      "(dim-0 chunks of ceil(rows / ranks), storage padded to the first chunk)")  # fmt: skip
     lines.append(f"parameters: {numel:,} in {len(shapes)} tensors, fp32 master weights = {padded:,} x 4 B")
     lines.append("gradients: fp32 like the parameters (under FSDP one padded reduce-scatter output per block)")
-    lines.append(f"AdamW: exp_avg + exp_avg_sq = 2 x {local:,} x 4 B, + one fp32 step counter per tensor")
-    parts = {"parameters": 4 * padded, "gradients": 4 * padded, "optimizer_states": 8 * local + 4 * len(shapes)}
+    parts = {"parameters": 4 * padded, "gradients": 4 * padded}
+    name, momentum = optimizer
+    if name == "AdamW":
+        lines.append(f"AdamW: exp_avg + exp_avg_sq = 2 x {local:,} x 4 B, + one fp32 step counter per tensor")
+        parts["optimizer_states"] = 8 * local + 4 * len(shapes)
+    elif name == "SGD":
+        lines.append(f"SGD: a momentum buffer = {local:,} x 4 B" if momentum else "SGD without momentum: no state")
+        parts["optimizer_states"] = 4 * local if momentum else 0
+    else:
+        raise ValueError(f"no memory estimate for optimizer.name {name!r} (known: 'AdamW', 'SGD')")
     if ema:
         lines.append(f"EMA: an fp32 clone of every (local) parameter = {local:,} x 4 B")
         parts["ema"] = 4 * local
@@ -238,16 +251,16 @@ def _activation_parts(model: ModelMemory, batch: int, precision: str, ac: tuple[
 
 def estimate_model_memory(model: ModelMemory, batch: int, precision: str = "bf16_autocast", ac_mode: str = "none",
                           ac_option: str = "op", compiled: bool = False, dp_shard: int = 1, dp_replicate: int = 1,
-                          rank: int = 0, ema: bool = True,
-                          reshard_after_forward: str = "default") -> MemoryEstimate:  # fmt: skip
-    """Memory of one rank training the model that `model` describes, with AdamW: the one estimator of every family.
+                          rank: int = 0, ema: bool = True, reshard_after_forward: str = "default",
+                          optimizer: tuple[str, float] = ("AdamW", 0.0)) -> MemoryEstimate:  # fmt: skip
+    """Memory of one rank training the model that `model` describes: the one estimator of every family.
 
     Args: as `estimate_memory`'s (`model` built for the same precision and AC).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     est = MemoryEstimate()
-    est.parts = _state_parts(model, dp_shard, rank, ema, est.lines)
+    est.parts = _state_parts(model, dp_shard, rank, ema, optimizer, est.lines)
     fsdp = dp_shard > 1 or precision == "bf16_fsdp"
     if dp_replicate > 1 and dp_shard == 1:
         est.parts["ddp_buckets"] = est.parts["gradients"]  # the reducer's bucket copy of the gradients

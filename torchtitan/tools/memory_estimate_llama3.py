@@ -215,18 +215,18 @@ def llama3_model_memory(args: Llama3Args, seq_len: int, precision: str, cuda_ker
 def estimate_llama3_memory(args: Llama3Args, batch: int, seq_len: int, precision: str = "bf16_autocast",
                            ac_mode: str = "none", ac_option: str = "op", compiled: bool = False, dp_shard: int = 1,
                            dp_replicate: int = 1, rank: int = 0, ema: bool = False,
-                           reshard_after_forward: str = "default",
-                           cuda_kernels: bool = True) -> MemoryEstimate:  # fmt: skip
-    """Memory of one rank training Llama3(args) on sequences of `seq_len` tokens with AdamW.
+                           reshard_after_forward: str = "default", cuda_kernels: bool = True,
+                           optimizer: tuple[str, float] = ("AdamW", 0.0)) -> MemoryEstimate:  # fmt: skip
+    """Memory of one rank training Llama3(args) on sequences of `seq_len` tokens.
 
     Args:
         args: the architecture (a llama3_configs flavor with overrides: num_labels, attn_window).
         batch: local batch size (sequences per rank per forward); seq_len: tokens per sequence (T).
-        precision, ac_mode, ac_option, compiled, dp_shard, dp_replicate, rank, ema, reshard_after_forward: as
-            memory_estimate.estimate_memory's.
+        precision, ac_mode, ac_option, compiled, dp_shard, dp_replicate, rank, ema, reshard_after_forward,
+            optimizer: as memory_estimate.estimate_memory's.
         cuda_kernels: CUDA's kernels (True: fused RMSNorm, FlexAttention windows) or CPU's (False: composite
             RMSNorm, which keeps x * rstd, and dense-mask SDPA windows: the paths measured exactly).
     """
     model = llama3_model_memory(args, seq_len, precision, cuda_kernels)
     return estimate_model_memory(model, batch, precision, ac_mode, ac_option, compiled, dp_shard, dp_replicate, rank,
-                                 ema, reshard_after_forward)  # fmt: skip
+                                 ema, reshard_after_forward, optimizer)  # fmt: skip
