@@ -289,7 +289,7 @@ def test_combination_errors_name_each_key_source(tmp_path):
 
 
 def test_a_setting_of_the_other_optimizer_is_refused_by_name(tmp_path):
-    path = write(tmp_path, "[optimizer]\nname = \"SGD\"\nmomentum = 0.9\n")
+    path = write(tmp_path, '[optimizer]\nname = "SGD"\nmomentum = 0.9\n')
     assert parse_args(["--job.config_file", path]).optimizer.momentum == 0.9
     with pytest.raises(ConfigError, match=f"optimizer.beta2 = 0.95 in the command line: optimizer.name 'SGD' "
                                           f"\\(in {path}\\) has no such setting"):  # fmt: skip

@@ -53,3 +53,25 @@ def test_a_resumed_sgd_run_takes_the_configured_momentum_and_says_so():
     assert optimizer.param_groups[0]["momentum"] == 0.5
     assert optimizer.param_groups[0]["lr"] == pytest.approx(2e-4)
     assert apply_configured_hyperparameters(optimizer, scheduler, wanted.optimizer) == []
+
+
+@pytest.mark.parametrize("name", ["SGD", "AdamW"])
+def test_fused_sgd_steps_aside_for_fsdp_shards(name):
+    """On CUDA `implementation = "fused"` picks the fused kernels, except SGD's on DTensor shards (FSDP), which
+    DTensor cannot run (no sharding rule in torch 2.11): there SGD takes the foreach path."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    cfg = _config("--optimizer.name", name).optimizer
+    cuda = torch.device("cuda")  # only read for the choice: nothing is built on it
+    assert build_optimizer(torch.nn.Linear(3, 2), cfg, cuda).defaults["fused"] is True
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        model = torch.nn.Linear(4, 2)
+        fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+        defaults = build_optimizer(model, cfg, cuda).defaults
+    finally:
+        dist.destroy_process_group()
+    assert (defaults["fused"], defaults["foreach"]) == ((None, True) if name == "SGD" else (True, None))

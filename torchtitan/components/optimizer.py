@@ -2,6 +2,7 @@
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 def build_optimizer(model: nn.Module, optimizer_config, device: torch.device) -> torch.optim.Optimizer:
@@ -9,6 +10,8 @@ def build_optimizer(model: nn.Module, optimizer_config, device: torch.device) ->
     implementation = optimizer_config.implementation
     if implementation == "fused" and device.type != "cuda":
         implementation = "foreach"  # the fused kernels are CUDA's here; CPU runs the foreach path
+    if implementation == "fused" and optimizer_config.name == "SGD" and any(isinstance(p, DTensor) for p in params):
+        implementation = "foreach"  # DTensor has no sharding rule for fused SGD's kernel (torch 2.11): FSDP's shards
     kwargs = {"fused": True} if implementation == "fused" else {"foreach": implementation == "foreach"}
     kwargs.update(lr=optimizer_config.lr, **_hyperparameters(optimizer_config))
     if optimizer_config.name == "SGD":
