@@ -67,8 +67,10 @@ def gone(pid: int, seconds: float = 10.0) -> bool:
 def test_runs_already_done_are_skipped_unless_forced(tmp_path):
     run, run_dir = Run("r", []), tmp_path / "r"
     first = execute(run, run_dir, cmd=python("print('first')"))
-    assert execute(run, run_dir, cmd=python("import sys; sys.exit(5)")) == first  # already_done: not run
+    assert execute(run, run_dir, cmd=python("print('first')")) == first  # already done: not run
     assert (run_dir / "train.log").read_text() == "first\n"
+    changed = execute(run, run_dir, cmd=python("print('other flags')"))  # ok, but with another command: run again
+    assert changed["command"] != first["command"] and (run_dir / "train.log").read_text() == "other flags\n"
     (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')  # train.py appends: a rerun must start clean
     again = execute(run, run_dir, force=True, cmd=python("import sys; sys.exit(5)"))
     assert (again["status"], again["returncode"]) == ("failed (5)", 5) and not (run_dir / "metrics.jsonl").exists()

@@ -54,22 +54,26 @@ def _returncode(outcome: RunResult) -> int | None:
 
 def execute(run: Run, run_dir: Path, timeout: float | None = None, force: bool = False,
             cmd: list[str] | None = None) -> dict:  # fmt: skip
-    """Runs `run` in a fresh process (torchtitan.tools.runs' `launch_command`), unless it is already done.
+    """Runs `run` in a fresh process (torchtitan.tools.runs' `launch_command`), unless it is already done: its
+    status.json says "ok" for the same command.
 
     Args:
         run: the run; its env reaches the process, its knobs status.json.
         run_dir: its folder: train.py's outputs, train.log and status.json.
         timeout: seconds before it is killed and recorded as "timeout" (None: no limit).
-        force: run it again even if its status.json says "ok".
+        force: run it again even if its status.json says "ok" for this command.
         cmd: the command (default: `train_command(run, run_dir)`; tests pass others).
 
     Returns:
         status.json's content (the earlier one when the run was already done).
     """
-    if already_done(run_dir) and not force:
-        print(f"{run.name}: ok already, skipped (--force reruns)", flush=True)
-        return read_status(run_dir)
     cmd = cmd or train_command(run, run_dir)
+    if already_done(run_dir) and not force:
+        earlier = read_status(run_dir)
+        if earlier.get("command") == shlex.join(cmd):
+            print(f"{run.name}: ok already, skipped (--force reruns)", flush=True)
+            return earlier
+        print(f"{run.name}: ok earlier with another command, run again", flush=True)  # its results are not this one's
     run_dir.mkdir(parents=True, exist_ok=True)
     # A rerun starts clean: train.py appends to metrics.jsonl, and a failed rerun must not pass off an old breakdown.
     for stale in [run_dir / "metrics.jsonl", *run_dir.glob("memory_breakdown*")]:
