@@ -320,3 +320,14 @@ def test_llama3_suite_runs_a_tiny_point_over_two_processes(tmp_path):
     header, _, row = summary.splitlines()[2:5]
     cells = dict(zip(header.strip("|").split("|"), row.strip("|").split("|")))
     assert float(cells[" tokens/s "]) == pytest.approx(result["tokens_per_second"], abs=0.5)
+
+
+def test_the_peak_stage_is_where_the_allocator_peaked_not_the_largest_total():
+    # The 8B suite's no_dp run at 4096 tokens: forward holds the most, the peak came in backward.
+    gib = 2**30
+    records = [{"step": 0, "stage": "init", "total": 28 * gib, "peak": 28 * gib},
+               {"step": 1, "stage": "forward", "total": 70.56 * gib, "peak": 70.63 * gib},
+               {"step": 1, "stage": "backward", "total": 56.04 * gib, "peak": 71.48 * gib}]  # fmt: skip
+    result = {"memory_breakdown": {"records": records}}
+    assert visualize.peak_stage(result) == "1:backward"
+    assert visualize.peak_stage({}) == ""

@@ -213,10 +213,19 @@ def columns_for(results: list[dict]) -> list[str]:
     return columns
 
 
+def peak_stage(r: dict) -> str:
+    """The step:stage of the breakdown record whose allocator peak (since the record before) is the run's largest:
+    where the peak happened, not always the stage that holds the largest total (the bars' `breakdown_at_peak`)."""
+    records = (r.get("memory_breakdown") or {}).get("records") or []
+    if not records:
+        return ""
+    top = max(records, key=lambda record: record.get("peak", record["total"]))
+    return f"{top['step']}:{top['stage']}"
+
+
 def summary_row(r: dict, columns: list[str] | tuple[str, ...] = COLUMNS) -> list[str]:
     """One table row in `columns` (COLUMNS, or `columns_for` the results)."""
-    at_peak = r.get("breakdown_at_peak")
-    stage = f"{at_peak['step']}:{at_peak['stage']}" if at_peak else ""
+    stage = peak_stage(r)
     cells = dict(zip(COLUMNS, [r["suite"], r["mode"], str(r["tokens"]), str(r["batch"]), str(r["nproc"]), r["status"],
             _fmt(r.get("peak_memory_gib"), ".3f"), _fmt(r.get("step_time_s"), ".1f", 1000),
             _fmt(r.get("images_per_second"), ".1f"), _fmt(r.get("time_ratio"), ".2f"),
