@@ -4,13 +4,13 @@ import json
 import os
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from torchtitan.kernels.triton_support import triton_interpreting
+from torchtitan.tools.runs import launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,14 +41,10 @@ def free_port() -> int:
 
 
 def run_train(args: list[str], nproc: int = 1, timeout: int = 600, check: bool = True, env: dict | None = None):
-    """Runs train.py (through torchrun when nproc > 1) and returns the CompletedProcess."""
+    """Runs train.py (through torchrun --standalone when nproc > 1) and returns the CompletedProcess."""
     base_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline"}
     base_env.update(env or {})
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               f"--master_port={free_port()}", "train.py", *args]  # fmt: skip
-    else:
-        cmd = [sys.executable, "train.py", *args]
+    cmd = [*launcher(nproc), "train.py", *args]  # torchrun --standalone: its store takes a port no other run holds
     result = subprocess.run(cmd, cwd=ROOT, env=base_env, capture_output=True, text=True, timeout=timeout)
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stdout[-4000:]}\n"

@@ -5,7 +5,6 @@ import os
 import pickle
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +14,7 @@ from PIL import Image
 
 import sample
 from cosmos_latent_decoder import load_tokenizer
-from tests.conftest import ROOT, TINY, free_port, read_metrics, run_train
+from tests.conftest import ROOT, TINY, read_metrics, run_train
 from tests.test_cosmos_latent_decoder import make_image_folder, make_jit_tokenizer, make_sd_vae
 from torchtitan.datasets import DiffusionDataLoader, build_dataset
 from torchtitan.datasets.imagefolder import ImageFolderDataset
@@ -30,6 +29,7 @@ from torchtitan.datasets.prepare_latents import prepare_latents
 from torchtitan.job_config import DataLoader as DataLoaderConfig
 from torchtitan.job_config import Latent, Training
 from torchtitan.models.dit import DiTArgs
+from torchtitan.tools.runs import launcher
 
 TINY_LATENT_ARGS = DiTArgs(input_size=4, in_channels=16, patch_size=2, num_classes=3)  # the fixtures' latents
 
@@ -49,8 +49,7 @@ def prepare_folder(images: Path, tokenizer_dir: Path, out: Path, kind: str = "co
 
 
 def torchrun_prepare(args: list[str], nproc: int = 2) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
-           "data/imagenet/prepare.py", *args]  # fmt: skip
+    cmd = [*launcher(nproc), "data/imagenet/prepare.py", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -82,14 +82,11 @@ LAYOUTS = {  # name: (processes, arguments)
 def layout_gradients(out: Path, nproc: int, cases: dict[str, list[str]]) -> dict[str, dict]:
     import shlex
     import subprocess
-    import sys
 
-    from tests.conftest import ROOT, free_port
+    from tests.conftest import ROOT
+    from torchtitan.tools.runs import launcher
 
-    launcher = [sys.executable]
-    if nproc > 1:
-        launcher += ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}"]
-    cmd = [*launcher, str(ROOT / "tests" / "layout_grads.py"), str(out)]
+    cmd = [*launcher(nproc), str(ROOT / "tests" / "layout_grads.py"), str(out)]
     cmd += [f"{name}={shlex.join(args)}" for name, args in cases.items()]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)

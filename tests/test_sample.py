@@ -4,7 +4,6 @@ and arguments refused by flag."""
 import os
 import shutil
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -12,7 +11,8 @@ import torch
 from PIL import Image
 
 import sample
-from tests.conftest import ROOT, TINY, free_port, run_train
+from tests.conftest import ROOT, TINY, run_train
+from torchtitan.tools.runs import launcher
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +41,7 @@ def test_grid_from_export_and_from_dcp_agree(digits_run, tmp_path):
 def test_npz_over_two_ranks_matches_one_process(digits_run, tmp_path):
     args = ["--checkpoint", str(digits_run), "--num-samples", "7", "--batch-size", "3", "--steps", "2"]
     assert sample.main([*args, "--npz", str(tmp_path / "one.npz")]) == 0
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "sample.py", *args, "--npz", str(tmp_path / "two.npz")]  # fmt: skip
+    cmd = [*launcher(2), "sample.py", *args, "--npz", str(tmp_path / "two.npz")]
     result = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
                             text=True, timeout=300)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
