@@ -3,14 +3,13 @@
 import json
 import os
 import socket
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
 from torchtitan.kernels.triton_support import triton_interpreting
-from torchtitan.tools.runs import launcher
+from torchtitan.tools.runs import launcher, run_to_end
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,7 +44,7 @@ def run_train(args: list[str], nproc: int = 1, timeout: int = 600, check: bool =
     base_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline"}
     base_env.update(env or {})
     cmd = [*launcher(nproc), "train.py", *args]  # torchrun --standalone: its store takes a port no other run holds
-    result = subprocess.run(cmd, cwd=ROOT, env=base_env, capture_output=True, text=True, timeout=timeout)
+    result = run_to_end(cmd, timeout, ROOT, base_env)  # at the timeout torchrun gets to stop its workers
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stdout[-4000:]}\n"
                              f"{result.stderr[-6000:]}")  # fmt: skip

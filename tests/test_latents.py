@@ -29,7 +29,7 @@ from torchtitan.datasets.prepare_latents import prepare_latents
 from torchtitan.job_config import DataLoader as DataLoaderConfig
 from torchtitan.job_config import Latent, Training
 from torchtitan.models.dit import DiTArgs
-from torchtitan.tools.runs import launcher
+from torchtitan.tools.runs import launcher, run_to_end
 
 TINY_LATENT_ARGS = DiTArgs(input_size=4, in_channels=16, patch_size=2, num_classes=3)  # the fixtures' latents
 
@@ -51,7 +51,7 @@ def prepare_folder(images: Path, tokenizer_dir: Path, out: Path, kind: str = "co
 def torchrun_prepare(args: list[str], nproc: int = 2) -> subprocess.CompletedProcess:
     cmd = [*launcher(nproc), "data/imagenet/prepare.py", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    result = run_to_end(cmd, 300, ROOT, env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
 

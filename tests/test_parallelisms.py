@@ -81,15 +81,14 @@ LAYOUTS = {  # name: (processes, arguments)
 
 def layout_gradients(out: Path, nproc: int, cases: dict[str, list[str]]) -> dict[str, dict]:
     import shlex
-    import subprocess
 
     from tests.conftest import ROOT
-    from torchtitan.tools.runs import launcher
+    from torchtitan.tools.runs import launcher, run_to_end
 
     cmd = [*launcher(nproc), str(ROOT / "tests" / "layout_grads.py"), str(out)]
     cmd += [f"{name}={shlex.join(args)}" for name, args in cases.items()]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    result = run_to_end(cmd, 900, ROOT, env)
     assert result.returncode == 0, result.stderr[-6000:]
     return {name: torch.load(out / f"{name}.pt") for name in cases}
 

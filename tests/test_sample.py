@@ -3,7 +3,6 @@ and arguments refused by flag."""
 
 import os
 import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -12,7 +11,7 @@ from PIL import Image
 
 import sample
 from tests.conftest import ROOT, TINY, run_train
-from torchtitan.tools.runs import launcher
+from torchtitan.tools.runs import launcher, run_to_end
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +41,7 @@ def test_npz_over_two_ranks_matches_one_process(digits_run, tmp_path):
     args = ["--checkpoint", str(digits_run), "--num-samples", "7", "--batch-size", "3", "--steps", "2"]
     assert sample.main([*args, "--npz", str(tmp_path / "one.npz")]) == 0
     cmd = [*launcher(2), "sample.py", *args, "--npz", str(tmp_path / "two.npz")]
-    result = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                            text=True, timeout=300)  # fmt: skip
+    result = run_to_end(cmd, 300, ROOT, {**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     one, two = np.load(tmp_path / "one.npz"), np.load(tmp_path / "two.npz")
     assert one["arr_0"].shape == (7, 16, 16, 3) and one["arr_0"].dtype == np.uint8

@@ -2,8 +2,10 @@
 batch search over recorded runs (stand-in commands: no training here, the suites' tests train)."""
 
 import json
+import os
 import shlex
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -13,6 +15,7 @@ import pytest
 import scripts.lib.batch_search
 import scripts.lib.runner
 from scripts.lib import GIB, Run, execute, find_max_batch, parallelism, train_command, warm_metrics
+from torchtitan.tools.runs import launcher, run_to_end
 
 
 def python(code: str) -> list[str]:
@@ -62,6 +65,18 @@ def gone(pid: int, seconds: float = 10.0) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+def test_a_timed_out_torchrun_stops_its_workers(tmp_path):
+    """The workers of a torchrun that times out are stopped with it (subprocess.run's SIGKILL left them running:
+    torchrun starts each in a session of its own and can pass nothing on when killed)."""
+    worker = tmp_path / "worker.py"
+    worker.write_text("import os, time\nprint('pid', os.getpid(), flush=True)\ntime.sleep(600)\n")
+    with pytest.raises(subprocess.TimeoutExpired) as err:
+        run_to_end([*launcher(2), str(worker)], timeout=20, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    pids = [int(line.split()[1]) for line in err.value.output.splitlines() if line.startswith("pid ")]
+    assert len(pids) == 2, err.value.output
+    assert all(gone(pid) for pid in pids), "a timed-out torchrun's workers must not run on"
 
 
 def test_runs_already_done_are_skipped_unless_forced(tmp_path):

@@ -86,12 +86,38 @@ def launch(run: Run, warmup: int = 3, steps: int = 10, timeout: float | None = N
     return launch_command(run, command(run, measure_args), timeout, cwd)
 
 
+def run_to_end(cmd: list[str], timeout: float | None = None, cwd: Path = ROOT, env: dict | None = None,
+               grace_s: float = 60.0) -> subprocess.CompletedProcess:  # fmt: skip
+    """`subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)`, except how a timeout stops it.
+
+    subprocess.run sends SIGKILL, which torchrun cannot pass on: its workers, each in a session of its own, run on
+    unseen (one, stuck in a collective, once spun a CPU core for an hour under the tests). Here the command gets
+    SIGTERM first, on which torchrun stops its workers (SIGTERM, then SIGKILL after 30 s); SIGKILL only after
+    `grace_s`.
+
+    Raises:
+        subprocess.TimeoutExpired: at the timeout, once the command has ended, with its output.
+    """
+    with subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            try:
+                stdout, stderr = proc.communicate(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                stdout, stderr = proc.communicate()
+            raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr) from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
 def launch_command(run: Run, cmd: list[str], timeout: float | None = None, cwd: Path = ROOT) -> RunResult:
     """Runs a command for `run`, reading the last result line it printed; the status says how it ended."""
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
     env.update({"PYTHONUNBUFFERED": "1", **run.env})
     try:
-        proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+        proc = run_to_end(cmd, timeout, cwd, env)
     except subprocess.TimeoutExpired as e:
         output = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
         return RunResult(run.name, "timeout", output=output[-4000:])
