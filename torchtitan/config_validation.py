@@ -256,8 +256,9 @@ def _check_combinations(cfg, errors: list[str]) -> None:
                       f"{at(cfg, 'training.dataset')} needs one")  # fmt: skip
     # A key of the other optimizer, set away from its default, would otherwise be ignored without a word (a run's
     # resolved config.toml holds every key, at its default where unused).
-    other = {"AdamW": ("momentum",), "SGD": ("beta1", "beta2", "eps")}
-    for name in other.get(cfg.optimizer.name, ()):
+    from torchtitan.components.optimizer import foreign_fields
+
+    for name in foreign_fields(cfg.optimizer.name) if cfg.optimizer.name in _CHOICES["optimizer.name"] else ():
         key = f"optimizer.{name}"
         if getattr(cfg.optimizer, name) != getattr(type(cfg.optimizer)(), name):
             errors.append(f"{at(cfg, key)}: optimizer.name {cfg.optimizer.name!r} (in "

@@ -50,9 +50,8 @@ def suite_run(knobs: dict, config: str, steps: int, breakdown_steps: int, extra:
 
     Args:
         knobs: suite ("dp": one process, suite a; "fsdp": FSDP over nproc processes, suite b, a one-rank mesh at
-            nproc 1), mode (NON_PRIVATE
-            or a dp.mode), batch (local), input_size (pixels or latent cells a side), tokens, nproc; for a language
-            model seq_len (training.seq_len) instead of input_size.
+            nproc 1), mode (NON_PRIVATE or a dp.mode), batch (local), input_size (pixels or latent cells a side),
+            tokens, nproc; for a language model seq_len (training.seq_len) instead of input_size.
         breakdown_steps: steps the memory breakdown records (0: off, as the batch finder's probes run).
     """
     k = knobs

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from torchtitan.components.optimizer import written_by
 from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import rng_state, set_rng_state
 
@@ -131,19 +132,14 @@ def _save_failure_reason(error: BaseException, folder: Path, newest: Path | None
     return _describe_failure(error)
 
 
-# A hyperparameter that only this optimizer's param groups hold: it tells which optimizer wrote a checkpoint.
-_OPTIMIZER_SIGNS = {"AdamW": "betas", "SGD": "momentum"}
-
-
 def _check_optimizer(saved_keys, optimizer) -> None:
     """Raises ValueError, naming optimizer.name, when the checkpoint's optimizer is not the configured one."""
     current = type(optimizer).__name__
-    for name, sign in _OPTIMIZER_SIGNS.items():
-        if name != current and any(k.startswith("optimizer.param_groups.") and k.endswith(f".{sign}")
-                                   for k in saved_keys):  # fmt: skip
-            raise ValueError(f"it was written with optimizer.name = {name!r}, this run has {current!r}: resume with "
-                             f"{name!r}, or start a new dump_folder from it (checkpoint.initial_load_path loads "
-                             "the weights only)")  # fmt: skip
+    group_keys = {k.rsplit(".", 1)[-1] for k in saved_keys if k.startswith("optimizer.param_groups.")}
+    for name in written_by(group_keys) - {current}:
+        raise ValueError(f"it was written with optimizer.name = {name!r}, this run has {current!r}: resume with "
+                         f"{name!r}, or start a new dump_folder from it (checkpoint.initial_load_path loads the "
+                         "weights only)")  # fmt: skip
 
 
 class CheckpointManager:

@@ -19,18 +19,36 @@ def build_optimizer(model: nn.Module, optimizer_config, device: torch.device) ->
     return torch.optim.AdamW(params, **kwargs)
 
 
-# Per optimizer.name: each param-group hyperparameter besides lr, and the config key(s) it comes from.
-_KEYS = {
-    "AdamW": {"betas": "optimizer.beta1/beta2", "eps": "optimizer.eps", "weight_decay": "optimizer.weight_decay"},
-    "SGD": {"momentum": "optimizer.momentum", "weight_decay": "optimizer.weight_decay"},
+# Per optimizer.name: each param-group hyperparameter besides lr, and the [optimizer] fields it comes from.
+HYPERPARAMETERS = {
+    "AdamW": {"betas": ("beta1", "beta2"), "eps": ("eps",), "weight_decay": ("weight_decay",)},
+    "SGD": {"momentum": ("momentum",), "weight_decay": ("weight_decay",)},
 }
 
 
 def _hyperparameters(optimizer_config) -> dict:
     """The param-group values of optimizer.name's optimizer (lr aside), from the config."""
-    values = {"betas": (optimizer_config.beta1, optimizer_config.beta2), "eps": optimizer_config.eps,
-              "weight_decay": optimizer_config.weight_decay, "momentum": optimizer_config.momentum}  # fmt: skip
-    return {name: values[name] for name in _KEYS[optimizer_config.name]}
+    values = {}
+    for group_key, fields in HYPERPARAMETERS[optimizer_config.name].items():
+        found = tuple(getattr(optimizer_config, field) for field in fields)
+        values[group_key] = found if len(found) > 1 else found[0]
+    return values
+
+
+def foreign_fields(name: str) -> list[str]:
+    """The [optimizer] fields that only the other optimizers read."""
+    own = {field for fields in HYPERPARAMETERS[name].values() for field in fields}
+    return sorted({f for other in HYPERPARAMETERS.values() for fields in other.values() for f in fields} - own)
+
+
+def written_by(group_keys) -> set[str]:
+    """The optimizer names whose own param-group hyperparameters (ones no other name has) are among `group_keys`."""
+    names = set()
+    for name, keys in HYPERPARAMETERS.items():
+        others = {k for other, o in HYPERPARAMETERS.items() if other != name for k in o}
+        if (set(keys) - others) & set(group_keys):
+            names.add(name)
+    return names
 
 
 def apply_configured_hyperparameters(optimizer: torch.optim.Optimizer, lr_scheduler, optimizer_config) -> list[str]:
@@ -42,7 +60,9 @@ def apply_configured_hyperparameters(optimizer: torch.optim.Optimizer, lr_schedu
     (its step) is kept; the peak lr it scales is the configured one. Returns a line per value that changed.
     """
     wanted = {"lr": optimizer_config.lr, **_hyperparameters(optimizer_config)}
-    keys = {"lr": "optimizer.lr", **_KEYS[optimizer_config.name]}
+    keys = {"lr": "optimizer.lr"}
+    for group_key, fields in HYPERPARAMETERS[optimizer_config.name].items():
+        keys[group_key] = "optimizer." + "/".join(fields)
     changes = []
     for index, group in enumerate(optimizer.param_groups):
         saved = {name: group[name] for name in wanted}
