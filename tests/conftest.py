@@ -21,6 +21,21 @@ needs_cuda_triton = pytest.mark.skipif(
     not torch.cuda.is_available() or triton_interpreting(), reason="needs CUDA, compiled"
 )
 
+# Integration tests whose interpreter child runs the kernels inside a whole DiT (converters, DP, the memory estimate)
+# run a small image there, 8x8 (16 tokens) instead of 16x16, and the modulated norm's backward walks 16 tokens a step
+# instead of 2: the interpreter runs each program, and each step of its loop, in Python, and these two settings make
+# those children 3-6x faster. The tile only paces the GPU; test_kernels_adaln_norm checks its values and ragged ends.
+INTERPRETED_IMAGE_SIZE = 8 if triton_interpreting() else 16
+
+
+@pytest.fixture
+def interpreter_launch(monkeypatch):
+    if triton_interpreting():
+        from torchtitan.kernels import adaln_norm
+
+        monkeypatch.setitem(adaln_norm.LAUNCH, "bwd_tile", 16)
+
+
 # Few threads per process: CI has 2 cores, and multi-process tests run several processes at once.
 torch.set_num_threads(2)
 
@@ -92,7 +107,8 @@ def debug_dit_outputs_and_grads(prepare=None, **overrides) -> dict[str, torch.Te
             p.add_(0.05 * torch.randn_like(p))
     if prepare is not None:
         prepare(model)
-    x, t, y = torch.randn(3, 1, 16, 16), torch.tensor([1.0, 500.0, 999.0]), torch.tensor([0, 3, 10])
+    size, channels = model.args.input_size, model.args.in_channels
+    x, t, y = torch.randn(3, channels, size, size), torch.tensor([1.0, 500.0, 999.0]), torch.tensor([0, 3, 10])
     out = model(x, t, y)
     (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
     grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in model.named_parameters()}

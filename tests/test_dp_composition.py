@@ -7,11 +7,12 @@ FSDP-2, HSDP-2x2 and DDP with compile and AC are checked through the trainer in 
 """
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
 
-from tests.conftest import ROOT, needs_interpreter
+from tests.conftest import INTERPRETED_IMAGE_SIZE, ROOT, needs_interpreter
 from torchtitan.config_manager import parse_args
 from torchtitan.dp import DPEngine
 from torchtitan.dp.testing import clipped_mean, per_sample_grads, rerun_under_triton_interpreter
@@ -27,14 +28,17 @@ AC = {
     "every_2nd": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"],
 }
 COMPILE = ["--compile.enable", "true"]
-# The TRITON_INTERPRET=1 child of test_converters_in_interpreter runs only the kernel-path tests.
+# The TRITON_INTERPRET=1 child of test_converters_in_interpreter runs only the kernel-path tests (on 8x8 images).
 parent_only = pytest.mark.skipif(triton_interpreting(), reason="runs in the parent process")
+pytestmark = pytest.mark.usefixtures("interpreter_launch")
+SIZE = INTERPRETED_IMAGE_SIZE
 
 
 def _plain_dit() -> DiT:
-    """The debug DiT (4 blocks, 64 tokens), every parameter nudged off its init (adaLN-Zero's zeros hide gradients)."""
+    """The debug DiT (4 blocks, 64 tokens; 16 in the interpreter), every parameter nudged off its init (adaLN-Zero's
+    zeros hide gradients)."""
     torch.manual_seed(0)
-    model = DiT(dit_configs["debug"])
+    model = DiT(replace(dit_configs["debug"], input_size=SIZE))
     model.init_weights()
     torch.manual_seed(1)
     with torch.no_grad():
@@ -52,7 +56,7 @@ def _parallelized(model: DiT, overrides: list[str]) -> DiT:
 
 def _batch(rows: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    images, timesteps = torch.randn(rows, 1, 16, 16, generator=g), torch.randint(0, 1000, (rows,), generator=g)
+    images, timesteps = torch.randn(rows, 1, SIZE, SIZE, generator=g), torch.randint(0, 1000, (rows,), generator=g)
     return images, timesteps, torch.arange(rows) % 11
 
 
@@ -119,7 +123,7 @@ def test_augmult_compiled_and_checkpointed(mode, ac):
     k, plain = 2, _plain_dit()
     x, t, y = _batch(3)
     g = torch.Generator().manual_seed(5)
-    rows = (x.repeat_interleave(k, 0) + 0.3 * torch.randn(3 * k, 1, 16, 16, generator=g),
+    rows = (x.repeat_interleave(k, 0) + 0.3 * torch.randn(3 * k, 1, SIZE, SIZE, generator=g),
             t.repeat_interleave(k) + torch.arange(3 * k), y.repeat_interleave(k))  # fmt: skip
     clipped, norms, max_norm = _clipped_reference(plain, rows, group=k)
     model = _parallelized(plain, [*COMPILE, *AC[ac]])

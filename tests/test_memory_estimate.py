@@ -179,6 +179,7 @@ LLAMA_STYLE = ["--model.norm", "rmsnorm", "--model.mlp", "swiglu", "--model.qk_n
 # The kernels' rows under Triton's interpreter: no AC, a mix of checkpointed and plain blocks (fused_norm hands the
 # residual on differently at their borders), and the SwiGLU kernel's rows.
 INTERPRETED = ("none", "every_2nd", "llama_style")
+pytestmark = pytest.mark.usefixtures("interpreter_launch")
 
 
 @pytest.mark.parametrize(

@@ -72,10 +72,9 @@ def test_a_timed_out_torchrun_stops_its_workers(tmp_path):
     torchrun starts each in a session of its own and can pass nothing on when killed)."""
     worker = tmp_path / "worker.py"
     # Each worker names itself in a file of its own: the two share one stdout, where unbuffered writes interleave.
-    worker.write_text(f"import os, time\nopen(os.path.join({str(tmp_path)!r}, f'pid-{{os.getpid()}}'), 'w').close()\n"
-                      "time.sleep(600)\n")
+    worker.write_text(f"import os, time\nopen({str(tmp_path)!r} + f'/pid-{{os.getpid()}}', 'w')\ntime.sleep(600)\n")
     with pytest.raises(subprocess.TimeoutExpired) as err:
-        run_to_end([*launcher(2), str(worker)], timeout=20, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        run_to_end([*launcher(2), str(worker)], timeout=15, env={**os.environ, "OMP_NUM_THREADS": "1"})
     pids = [int(p.name.removeprefix("pid-")) for p in tmp_path.glob("pid-*")]
     assert len(pids) == 2, err.value.output
     assert all(gone(pid) for pid in pids), "a timed-out torchrun's workers must not run on"
