@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tests.conftest import ROOT
+from tests.conftest import INTERPRETED_IMAGE_SIZE, ROOT
 from torchtitan.components.ema import EMA
 from torchtitan.config_manager import parse_args
 from torchtitan.dp.testing import rerun_under_triton_interpreter
@@ -201,7 +201,7 @@ def test_eager_fp32_activations_are_exact_on_cpu(tmp_path, monkeypatch, request,
     torch maths with the residual stream handed on in parts (a gate_mlp copy per block); in the interpreter child, the
     kernels' rows (what the adaLN and SwiGLU kernels keep)."""
     if triton_interpreting() and (not converters or request.node.callspec.id.split("-")[1] not in INTERPRETED):
-        pytest.skip("the parent runs it (no kernels), or the interpreter's cases cover it (12-35 s each there)")
+        pytest.skip("the parent runs it (no kernels), or the interpreter's cases cover it (4-8 s each there)")
     if triton_interpreting():
         # Triton's interpreter leaves reference cycles behind its launches, which the trainer's disabled automatic GC
         # would keep until gc_freq: collected before each record, so the count is of what the step holds.
@@ -212,7 +212,8 @@ def test_eager_fp32_activations_are_exact_on_cpu(tmp_path, monkeypatch, request,
             return record(self, *args, **kwargs)
 
         monkeypatch.setattr(MemoryBreakdown, "record", record_collected)
-    args = [*TINY, *extra, "--model.converters", converters, "--job.dump_folder", str(tmp_path)]
+    size = ["--model.input_size", str(INTERPRETED_IMAGE_SIZE)]  # 16, or 8 in the interpreter (the digits are 8x8)
+    args = [*TINY, *extra, *size, "--model.converters", converters, "--job.dump_folder", str(tmp_path)]
     measured = measure_breakdown(args, steps=1)["records"][1]
     assert measured["stage"] == "forward"
     estimate = estimate_from_job_config(parse_args(args), world_size=1, device_type="cpu")

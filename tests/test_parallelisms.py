@@ -48,13 +48,11 @@ def assert_same_losses(got: list[dict], expected: list[dict]) -> None:
         ("fsdp_accum_no_reshard", 2, ["--training.local_batch_size", "4", "--parallelism.fsdp_reshard_after_forward",
                                       "never"]),
         ("hsdp", 4, ["--parallelism.data_parallel_replicate_degree", "2", "--training.local_batch_size", "4"]),
-        ("fsdp_full_ac", 2, ["--training.local_batch_size", "8", "--activation_checkpoint.mode", "full"]),
-        ("selective_op_ac", 1, ["--training.local_batch_size", "16", "--activation_checkpoint.mode", "selective"]),
-        ("every_2nd_ac", 1, ["--training.local_batch_size", "16", "--activation_checkpoint.mode", "selective",
-                             "--activation_checkpoint.selective_ac_option", "2"]),
     ],
 )  # fmt: skip
 def test_parallelisms_match_one_process(seed_checkpoint, reference, tmp_path, name, nproc, extra):
+    """Several steps (the optimizer's sharded state, accumulation, resharding) against one process. Activation
+    checkpointing and compile in each layout: their first-step gradients, exactly, in the tests below."""
     folder = tmp_path / name
     run_train([*COMMON, *extra, "--job.dump_folder", str(folder), "--checkpoint.initial_load_path",
                str(seed_checkpoint)], nproc=nproc)  # fmt: skip
