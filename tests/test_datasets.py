@@ -5,6 +5,8 @@ import logging
 import os
 import pickle
 import re
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,10 +15,11 @@ import pytest
 import torch
 from PIL import Image
 
+from tests.conftest import ROOT
 from torchtitan.config_manager import JobConfig
 from torchtitan.datasets import DiffusionDataLoader, build_dataset
 from torchtitan.datasets.cifar10 import CIFAR10Dataset, load_cifar10_pickle
-from torchtitan.datasets.digits import DigitsDataset
+from torchtitan.datasets.digits import DigitsDataset, load_digits_arrays
 from torchtitan.datasets.imagefolder import ImageFolderDataset, center_crop_arr
 from torchtitan.models.dit import dit_configs
 from torchtitan.tools.logging import logger
@@ -27,6 +30,22 @@ def test_digits_are_real_and_normalized():
     image, label = data[0]
     assert len(data) == 1797 and image.shape == (1, 16, 16) and label == 0
     assert image.min() >= -1 and image.max() <= 1 and image.std() > 0.3
+
+
+def test_digits_are_scikit_learns_read_without_importing_it(monkeypatch):
+    from sklearn.datasets import load_digits
+
+    pixels, labels = load_digits_arrays()
+    reference = load_digits()
+    assert np.array_equal(pixels, reference.images) and np.array_equal(labels, reference.target)
+    # Every run's start: scikit-learn's import (SciPy's with it) is not part of it.
+    code = "import sys; from torchtitan.datasets.digits import DigitsDataset; DigitsDataset(16); print(sorted("
+    code += "m for m in ('sklearn', 'scipy') if m in sys.modules))"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match="training.dataset 'digits' needs scikit-learn"):
+        DigitsDataset(16)
 
 
 def make_image_folder(root, sizes=((40, 30), (20, 50)), suffix="png"):
