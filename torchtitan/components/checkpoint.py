@@ -136,7 +136,9 @@ def _check_optimizer(saved_keys, optimizer) -> None:
     """Raises ValueError, naming optimizer.name, when the checkpoint's optimizer is not the configured one."""
     current = type(optimizer).__name__
     group_keys = {k.rsplit(".", 1)[-1] for k in saved_keys if k.startswith("optimizer.param_groups.")}
-    for name in written_by(group_keys) - {current}:
+    other = written_by(group_keys) - {current}
+    if other:
+        name = min(other)
         raise ValueError(f"it was written with optimizer.name = {name!r}, this run has {current!r}: resume with "
                          f"{name!r}, or start a new dump_folder from it (checkpoint.initial_load_path loads the "
                          "weights only)")  # fmt: skip

@@ -119,8 +119,7 @@ def launch_command(run: Run, cmd: list[str], timeout: float | None = None, cwd: 
     try:
         proc = run_to_end(cmd, timeout, cwd, env)
     except subprocess.TimeoutExpired as e:
-        output = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-        return RunResult(run.name, "timeout", output=output[-4000:])
+        return RunResult(run.name, "timeout", output=(e.stdout or "")[-4000:])  # run_to_end's output is text
     output = proc.stdout + proc.stderr
     lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
     status = status_of(proc.returncode, output)
