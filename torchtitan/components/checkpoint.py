@@ -42,6 +42,12 @@ class CheckpointLoadError(RuntimeError):
     """Checkpoints exist but none could be loaded; the message names each one and why."""
 
 
+class ResumeRefusedError(CheckpointLoadError):
+    """The newest checkpoint cannot continue this run as it is configured (a changed tokenizer, a spent privacy
+    budget, DP turned off ...): the message names the key. Older checkpoints are not tried instead, since they
+    would be refused for the same reason or silently resume an older state."""
+
+
 class CheckpointSaveError(RuntimeError):
     """A checkpoint could not be written; the partial folder is removed, older checkpoints are kept."""
 
@@ -155,10 +161,15 @@ class CheckpointManager:
     """
 
     def __init__(self, checkpoint_config, dump_folder: Path, model: nn.Module, optimizer, lr_scheduler, ema,
-                 dataloader, rank: int, world_size: int = 1, extra: dict | None = None):  # fmt: skip
-        """`extra`: name -> object with state_dict()/load_state_dict(), the same on every rank (e.g. DP state)."""
+                 dataloader, rank: int, world_size: int = 1, extra: dict | None = None,
+                 foreign: dict[str, str] | None = None):  # fmt: skip
+        """`extra`: name -> object with state_dict()/load_state_dict(), the same on every rank (e.g. DP state); one
+        with `optional_in_checkpoint = True` is skipped when a checkpoint lacks it (written before it existed).
+        `foreign`: top-level checkpoint keys this run would drop, each with the refusal to raise
+        (ResumeRefusedError) when a full checkpoint holds it."""
         self.config = checkpoint_config
         self.extra = extra or {}
+        self.foreign = foreign or {}
         self.folder = dump_folder / checkpoint_config.folder
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
         self.ema, self.dataloader = ema, dataloader
@@ -317,6 +328,8 @@ class CheckpointManager:
         error = None
         try:
             self._load(path, model_only)
+        except ResumeRefusedError:
+            raise  # about the configuration, not this checkpoint: the same on every rank
         except (Exception, CheckpointException) as e:  # DCP's CheckpointException is not an Exception
             error = _describe_failure(e).splitlines()[0]
         if dist.is_initialized():  # a failure on one rank fails the checkpoint for all
@@ -353,8 +366,14 @@ class CheckpointManager:
         state = self._state(model_only=not full)
         if "ema" in state and "ema" not in keys:
             del state["ema"]
-        for name in self.extra:
+        refused = sorted(keys & self.foreign.keys()) if full else []
+        if refused:
+            raise ResumeRefusedError(f"checkpoint {path}: {self.foreign[refused[0]]}")
+        for name, obj in self.extra.items():
             if name in state and name not in keys:
+                if getattr(obj, "optional_in_checkpoint", False):
+                    del state[name]
+                    continue
                 raise ValueError(f"checkpoint has no '{name}' state (written by a run without it)")
         if full:
             state.pop(f"dataloader_rank{self.rank}")
@@ -385,7 +404,8 @@ class CheckpointManager:
         if rng_key is not None:
             set_rng_state(state[rng_key])
         for name, obj in self.extra.items():
-            obj.load_state_dict(state[name])
+            if name in state:
+                obj.load_state_dict(state[name])
 
     # ---- export ------------------------------------------------------------------------------
     def export_ema(self, path: Path, model_args, dtype: torch.dtype) -> None:
