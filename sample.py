@@ -10,9 +10,11 @@ them, else the newest complete DCP checkpoint under its checkpoint folder), a DC
 loaded when it has them, else the live model's. Weights load into a plain single-process model: DCP reads
 every shard itself, so no process group is needed. Latent models are decoded through the run's
 `[latent]` tokenizer (its decoder alone), un-normalized with the statistics stored beside the run's
-prepared data; a tokenizer other than the one those latents were encoded with is refused before sampling.
+prepared data; a tokenizer other than the one those latents were encoded with is refused before sampling
+(`--allow-tokenizer-mismatch` decodes anyway).
 Arguments that cannot give images (`--cfg-scale nan`, `--num-samples 0`, ...) exit with code 2 and one
-`error:` line naming the flag.
+`error:` line naming the flag; so do a run of another model than a DiT, and a checkpoint whose pickles name
+code (read through an allow-list, docs/checkpoint.md: nothing it names runs).
 
 With `--npz`, N samples are written as `arr_0` (N, H, W, 3) uint8 (grey images repeated to RGB) and
 their labels as `arr_1`, the format of ADM's evaluation suite. Under torchrun each rank generates every
@@ -25,6 +27,7 @@ import argparse
 import math
 import os
 import sys
+import tomllib
 import warnings
 from pathlib import Path
 
@@ -47,11 +50,22 @@ def find_config(start: Path) -> Path:
     raise FileNotFoundError(f"--checkpoint: no config.toml in {start} or the folders above it; pass --config")
 
 
+def check_is_dit_run(config_file: Path) -> None:
+    """Raises ValueError unless the run's model is a DiT: images come from DiTs (read before the config is checked,
+    whose complaints about another model's keys would point elsewhere)."""
+    with open(config_file, "rb") as f:
+        name = tomllib.load(f).get("model", {}).get("name", "dit")
+    if name != "dit":
+        raise ValueError(f"{config_file} is a {name!r} run (model.name): sample.py samples images from DiT runs "
+                         "(model.name = 'dit')")  # fmt: skip
+
+
 def resolve_checkpoint(path: Path, config: str = "") -> tuple[JobConfig, Path]:
     """(the run's config, the weights: a .safetensors file or a DCP step folder)."""
     if not path.exists():
         raise FileNotFoundError(f"--checkpoint: {path} does not exist")
     config_file = Path(config) if config else find_config(path if path.is_dir() else path.parent)
+    check_is_dit_run(config_file)
     cfg = parse_args(["--job.config_file", str(config_file)])
     if path.is_file() or (path / ".metadata").is_file():
         return cfg, path
@@ -67,10 +81,11 @@ def resolve_checkpoint(path: Path, config: str = "") -> tuple[JobConfig, Path]:
 
 
 def load_dcp_weights(model: torch.nn.Module, step_dir: Path) -> str:
-    """Loads the 'ema' entries of a DCP checkpoint (else 'model') into a plain model; returns which."""
-    import torch.distributed.checkpoint as dcp
+    """Loads the 'ema' entries of a DCP checkpoint (else 'model') into a plain model; returns which. The checkpoint
+    is read through an allow-list (torchtitan/components/checkpoint_reader.py): a crafted one is refused by name."""
+    from torchtitan.components.checkpoint_reader import load_checkpoint, read_checkpoint_metadata
 
-    keys = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+    keys = read_checkpoint_metadata(step_dir).state_dict_metadata
     prefix = "ema" if any(k.startswith("ema.") and k != "ema.num_updates" for k in keys) else "model"
     params = {name: p.detach() for name, p in model.named_parameters()}  # DCP fills these in place
     if prefix == "model":
@@ -82,7 +97,7 @@ def load_dcp_weights(model: torch.nn.Module, step_dir: Path) -> str:
     with warnings.catch_warnings():
         # Without a process group DCP reads every shard in this one process, as intended here.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(step_dir))
+        load_checkpoint(state, step_dir)
     return prefix
 
 
@@ -222,6 +237,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--npz", default="", help="write an ADM-format .npz of all samples instead of a grid")
     parser.add_argument("--tokenizer-dir", default="", help="override latent.checkpoint_dir")
     parser.add_argument("--latent-stats", default="", help="override the prepared folder holding meta.json")
+    parser.add_argument(
+        "--allow-tokenizer-mismatch",
+        action="store_true",
+        help="decode even if meta.json records another tokenizer (latent.allow_tokenizer_mismatch)",
+    )
     return parser.parse_args(argv)
 
 
@@ -266,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg, weights = resolve_checkpoint(Path(args.checkpoint), args.config)
         cfg.latent.checkpoint_dir = args.tokenizer_dir or cfg.latent.checkpoint_dir
         cfg.training.dataset_path = args.latent_stats or cfg.training.dataset_path
+        cfg.latent.allow_tokenizer_mismatch = args.allow_tokenizer_mismatch or cfg.latent.allow_tokenizer_mismatch
         model, model_args = load_model(cfg, weights, device)
         sampler = Sampler(cfg, model, model_args, device, args)
         path = write_npz(sampler, args, classes, rank, world) if args.npz else write_grid(sampler, args, classes)

@@ -2,8 +2,9 @@
 
     torchrun --nproc_per_node=N train.py --job.config_file train_configs/X.toml [--section.key value ...]
 
-Exit status: 0 done; 1 stopped by a non-finite step or a failed checkpoint save; 2 a bad config, a run folder in
-use, or checkpoints that cannot be loaded (nothing was trained).
+Exit status: 0 done; 1 stopped by a non-finite step, a failed checkpoint save or an unreadable image met mid-run;
+2 a bad config, a run folder in use or not writable, checkpoints that cannot be loaded or cannot continue this run
+as configured, or an unreadable image met while building (nothing was trained).
 """
 
 import gc
@@ -12,15 +13,17 @@ import sys
 import torch
 
 from torchtitan.components.checkpoint import CheckpointLoadError, CheckpointSaveError, NonFiniteStateError
-from torchtitan.components.run_lock import RunFolderLockedError
+from torchtitan.components.run_lock import RunFolderError
 from torchtitan.config_manager import ConfigError, parse_args
+from torchtitan.datasets.imagefolder import UnreadableImageError
 from torchtitan.tools.logging import init_logger, logger
 from torchtitan.trainer import NonFiniteStepError, Trainer
 
 # Refusals before any training (status 2), and stops that keep every checkpoint (status 1): each message names
-# what is at fault, so no traceback.
-REFUSED = (ConfigError, RunFolderLockedError, CheckpointLoadError)
-STOPPED = (NonFiniteStepError, NonFiniteStateError, CheckpointSaveError)
+# what is at fault, so no traceback. An unreadable image, a data error named by its file, refuses the run when the
+# build reads it and stops the run when a later batch meets it.
+REFUSED = (ConfigError, RunFolderError, CheckpointLoadError, UnreadableImageError)
+STOPPED = (NonFiniteStepError, NonFiniteStateError, CheckpointSaveError, UnreadableImageError)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,6 +2,7 @@
 
 import errno
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -59,7 +60,7 @@ def test_unloadable_checkpoints_refuse_to_start_and_are_kept(run_folder, change,
     assert len(read_metrics(run_folder)) == 8
 
 
-def test_branch_from_an_older_step_keeps_its_checkpoints_and_restarts_on_the_branch(run_folder):
+def test_branch_from_an_older_step_keeps_its_checkpoints_and_restarts_on_the_branch(four_checkpoints, run_folder):
     run_train([*CKPT, "--job.dump_folder", str(run_folder), "--checkpoint.load_step", "2", "--checkpoint.keep_latest_k",
                "2", "--training.steps", "5"])  # fmt: skip
     # step-2 (resumed from) and the branch's own 4 and 5 are kept; the old 4, 6, 8 are set aside, not deleted.
@@ -68,8 +69,9 @@ def test_branch_from_an_older_step_keeps_its_checkpoints_and_restarts_on_the_bra
     assert aside == ["step-4", "step-6", "step-8"]
     result = run_train([*CKPT, "--job.dump_folder", str(run_folder), "--training.steps", "6"])
     assert f"resumed from {run_folder / 'checkpoint' / 'step-5'} at step 5" in result.stderr
-    branch = [m for m in read_metrics(run_folder) if m["step"] in (3, 4)][-2:]
-    original = [m for m in read_metrics(run_folder) if m["step"] in (3, 4)][:2]
+    # One record per step: the first run's records after step 2 were dropped when the branch started.
+    assert [m["step"] for m in read_metrics(run_folder)] == [1, 2, 3, 4, 5, 6]
+    branch, original = read_metrics(run_folder)[2:4], read_metrics(four_checkpoints)[2:4]
     assert [m["loss"] for m in branch] == [m["loss"] for m in original]  # the branch retraced steps 3-4 exactly
 
 
@@ -200,23 +202,152 @@ def test_a_full_disk_is_called_that(tmp_path):
     assert _save_failure_reason(cut, tmp_path, None).startswith("a write was cut short")
 
 
-def test_a_non_finite_state_is_never_saved(tmp_path):
+def manager_of(folder: Path, model: torch.nn.Module, ema=None, **checkpoint):
+    """A CheckpointManager of a small model (AdamW, a stand-in data loader), with `checkpoint` keys set."""
     from types import SimpleNamespace
 
-    from torchtitan.components.checkpoint import CheckpointManager, NonFiniteStateError
+    from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.components.lr_scheduler import build_lr_scheduler
     from torchtitan.config_manager import JobConfig
 
     cfg = JobConfig()
-    cfg.checkpoint.enable = True
-    model = torch.nn.Linear(3, 2)
+    for key, value in checkpoint.items():
+        setattr(cfg.checkpoint, key, value)
     optimizer = torch.optim.AdamW(model.parameters())
-    loader = SimpleNamespace(state_dict=lambda: {"epoch": 0})
-    manager = CheckpointManager(cfg.checkpoint, tmp_path, model, optimizer, build_lr_scheduler(optimizer,
-                                cfg.lr_scheduler, 10), None, loader, rank=0)  # fmt: skip
+    loader = SimpleNamespace(state_dict=lambda: {"epoch": 0}, load_state_dict=lambda state, same_layout=True: None)
+    return CheckpointManager(cfg.checkpoint, folder, model, optimizer, build_lr_scheduler(optimizer, cfg.lr_scheduler,
+                             10), ema, loader, rank=0)  # fmt: skip
+
+
+def test_a_non_finite_state_is_never_saved(tmp_path):
+    from torchtitan.components.checkpoint import NonFiniteStateError
+
+    model = torch.nn.Linear(3, 2)
+    manager = manager_of(tmp_path, model, enable=True)
     manager.save(1)
     with torch.no_grad():
         model.weight[1, 2] = float("inf")
     with pytest.raises(NonFiniteStateError, match=r"step 2: not saving .*: non-finite values in \['model.weight'\]"):
         manager.save(2)
     assert [p.name for p in (tmp_path / "checkpoint").iterdir()] == ["step-1"]
+
+
+def test_an_initial_load_path_gives_the_starting_weights_with_saving_off(tmp_path):
+    from torchtitan.components.ema import EMA
+
+    torch.manual_seed(0)
+    source = torch.nn.Linear(3, 2)
+    manager_of(tmp_path / "source", source, enable=True).save(5, model_only=True)  # as a seed checkpoint: no EMA
+    model = torch.nn.Linear(3, 2)  # other random weights
+    ema = EMA(model, 0.9)
+    start = tmp_path / "source" / "checkpoint" / "step-5"
+    manager = manager_of(tmp_path / "run", model, ema, enable=False, initial_load_path=str(start))
+    assert manager.maybe_load() == 0  # training starts at step 0, from the loaded weights
+    assert torch.equal(model.weight, source.weight) and torch.equal(model.bias, source.bias)
+    assert all(torch.equal(e, p) for e, p in zip(ema.shadow, source.parameters()))  # the average starts there too
+    assert not (tmp_path / "run" / "checkpoint").exists()  # and nothing is saved
+
+
+class Record:
+    """An `extra` state of a checkpoint: entries `keys`; `optional_keys` may be missing from older checkpoints."""
+
+    def __init__(self, keys: tuple[str, ...], optional_keys: tuple[str, ...] = ()):
+        self.state = {key: len(key) for key in keys}
+        self.optional_keys = optional_keys
+        self.loaded = None
+
+    def state_dict(self) -> dict:
+        return dict(self.state)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loaded = state
+
+
+def test_extras_refusals_and_entries_an_older_checkpoint_lacks(tmp_path):
+    """`foreign` refuses by name (and tries no older checkpoint); an extra's `optional_keys` load from a checkpoint
+    written before they existed, its other entries are required."""
+    from torchtitan.components.checkpoint import CheckpointLoadError, ResumeRefusedError
+
+    model = torch.nn.Linear(3, 2)
+    writer = manager_of(tmp_path, model, enable=True)
+    writer.extra = {"dp": Record(("engine",))}
+    writer.save(1)
+    writer.save(2)
+    reader = manager_of(tmp_path, torch.nn.Linear(3, 2), enable=True)
+    reader.extra = {"dp": Record(("engine", "calibration"), optional_keys=("calibration",))}
+    assert reader.maybe_load() == 2 and reader.extra["dp"].loaded == {"engine": 6}
+    strict = manager_of(tmp_path, torch.nn.Linear(3, 2), enable=True)
+    strict.extra = {"dp": Record(("engine", "calibration"))}
+    with pytest.raises(CheckpointLoadError, match="dp.calibration"):
+        strict.maybe_load()
+    refusing = manager_of(tmp_path, torch.nn.Linear(3, 2), enable=True)
+    refusing.foreign = {"dp": "it was written with DP"}
+    with pytest.raises(ResumeRefusedError) as refused:
+        refusing.maybe_load()
+    assert str(refused.value) == f"checkpoint {tmp_path / 'checkpoint' / 'step-2'}: it was written with DP"
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-1", "step-2"]  # none set aside
+
+
+class RunsShell:
+    """Unpickled by pickle.load or torch.load(weights_only=False), this runs a shell command that writes a marker."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"echo pwned > {self.marker}",)
+
+
+def plant_code(step: Path, marker: Path, entry: str = "") -> None:
+    """Makes a checkpoint run code when loaded by a plain pickle: its `.metadata` (or, with `entry`, that byte entry,
+    written to a file of its own that the metadata points to) becomes a RunsShell."""
+    import dataclasses
+    import io
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    if not entry:
+        (step / ".metadata").write_bytes(pickle.dumps(RunsShell(marker)))
+        return
+    metadata = pickle.loads((step / ".metadata").read_bytes())  # this test's own checkpoint
+    payload = io.BytesIO()
+    torch.save(RunsShell(marker), payload)
+    (step / "planted.distcp").write_bytes(payload.getvalue())
+    index = MetadataIndex(entry)
+    metadata.storage_data[index] = dataclasses.replace(metadata.storage_data[index], relative_path="planted.distcp",
+                                                       offset=0, length=len(payload.getvalue()))  # fmt: skip
+    (step / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+def test_a_checkpoint_whose_pickles_name_code_is_refused_by_name_and_never_runs(run_folder, tmp_path, capsys):
+    import sample
+    from torchtitan.components.checkpoint import CheckpointLoadError
+
+    marker, folder = tmp_path / "pwned", run_folder / "checkpoint"
+    plant_code(folder / "step-8", marker)
+    plant_code(folder / "step-6", marker, entry="rng_rank0.numpy")
+    refusal = f"refers to {os.system.__module__}.system, which a checkpoint may not hold"  # os.system is posix.system
+
+    # Resume: each planted checkpoint is skipped by name, the newest clean one resumes.
+    result = run_train([*CKPT, "--job.dump_folder", str(run_folder), "--training.steps", "5"])
+    assert f"checkpoint {folder / 'step-8' / '.metadata'} {refusal}" in result.stderr
+    assert f"checkpoint {folder / 'step-6'} entry 'rng_rank0.numpy' {refusal}" in result.stderr
+    assert f"resumed from {folder / 'step-4'} at step 4" in result.stderr
+    # metrics.jsonl: the first run's records of steps 5-8 are dropped, step 5 is this run's.
+    assert "metrics: dropped 4 record(s) after step 4" in result.stderr
+    assert [m["step"] for m in read_metrics(run_folder)] == [1, 2, 3, 4, 5]
+    planted = sorted((folder / "set_aside").iterdir())
+
+    # checkpoint.initial_load_path, in process (saving on or off).
+    for enable in (True, False):
+        manager = manager_of(tmp_path / f"run_{enable}", torch.nn.Linear(3, 2), enable=enable,
+                             initial_load_path=str(planted[1]))  # fmt: skip
+        with pytest.raises(CheckpointLoadError, match=f"{re.escape(str(planted[1] / '.metadata'))} {refusal}"):
+            manager.maybe_load()
+
+    # sample.py: one error line, exit code 2.
+    assert sample.main(["--checkpoint", str(planted[1]), "--out", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"error: checkpoint {planted[1] / '.metadata'} {refusal} (loading it could run code)"]
+    assert not marker.exists()  # the payload never ran

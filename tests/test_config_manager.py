@@ -113,6 +113,30 @@ def test_train_exits_nonzero_before_work(tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+def test_train_refuses_what_is_not_a_config_file_or_a_writable_run_folder(tmp_path, capsys, monkeypatch):
+    """Each with one `error:` line, status 2, no traceback: a directory given as the config file, and a run folder
+    that cannot be written (a regular file in its path: as root, permissions alone would not stop the write)."""
+    import train
+    from torchtitan.components import run_lock
+
+    with pytest.raises(ConfigError, match=f"job.config_file = '{tmp_path}' in the command line is a directory, not a"):
+        parse_args(["--job.config_file", str(tmp_path)])
+    (tmp_path / "file").write_text("")
+    dump = tmp_path / "file" / "run"
+    assert train.main(["--job.dump_folder", str(dump), "--training.steps", "1"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert err == [f"error: job.dump_folder {dump} is not writable (Not a directory: {dump}); a run writes its "
+                   "metrics and checkpoints there: give it a writable --job.dump_folder"]  # fmt: skip
+
+    def read_only(path, mode="r"):  # what open() raises in a read-only folder for anyone but root
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(run_lock, "open", read_only, raising=False)
+    with pytest.raises(run_lock.RunFolderNotWritableError, match=f"job.dump_folder {tmp_path} is not writable "
+                       f"\\(Permission denied: {tmp_path / 'run.lock'}\\)"):  # fmt: skip
+        run_lock.acquire_run_lock(tmp_path, rank=0)
+
+
 def test_help_lists_every_key():
     import subprocess
     import sys

@@ -13,6 +13,7 @@ from torch import nn
 
 import cosmos_latent_decoder as cld
 from torchtitan.config_manager import JobConfig
+from torchtitan.datasets.latents import decoder_files, decoder_sha256
 from torchtitan.tools.images import save_image_grid
 
 
@@ -168,6 +169,10 @@ def test_diffusers_autoencoder_kl_uses_the_mode(tmp_path):
         assert torch.allclose(z, vae.encode(x).latent_dist.mode(), atol=1e-5)  # deterministic: the mean
         assert torch.allclose(tokenizer.decode(z), vae.decode(z).sample.clamp(-1, 1), atol=1e-5)
     assert torch.equal(tokenizer.encode(x), z)
+    # What meta.json's decoder hash covers: the config and the weights (one file holds both halves).
+    files = [f.name for f in decoder_files("diffusers", tmp_path / "vae")]
+    assert files == ["config.json", "diffusion_pytorch_model.safetensors"]
+    assert decoder_sha256("diffusers", tmp_path / "vae") is not None
 
 
 def test_cli_decodes_raw_and_normalized_latent_files(tmp_path, capsys):
@@ -180,7 +185,17 @@ def test_cli_decodes_raw_and_normalized_latent_files(tmp_path, capsys):
     save_file({"latents": z}, str(tmp_path / "raw.safetensors"))
     torch.save(z * 0.5, tmp_path / "scaled.pt")  # model-space latents with scale factor 0.5
     args = ["--checkpoint-dir", str(tmp_path / "tok"), "--kind", "cosmos_jit"]
+    # No meta.json beside the files records their tokenizer: refused, unless the user takes it on.
+    assert cld.main([*args, "--latents", str(tmp_path / "raw.safetensors"), "--out", str(tmp_path / "a.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"error: --latents {tmp_path / 'raw.safetensors'}: no meta.json beside it records the "
+                                f"tokenizer that encoded these latents, so --checkpoint-dir {tmp_path / 'tok'} cannot "
+                                "be checked against it: give --stats PREPARED_FOLDER, or --allow-tokenizer-mismatch "
+                                "to decode unchecked"]  # fmt: skip
+    assert not (tmp_path / "a.png").exists()
+    args.append("--allow-tokenizer-mismatch")
     assert cld.main([*args, "--latents", str(tmp_path / "raw.safetensors"), "--out", str(tmp_path / "a.png")]) == 0
+    assert "the tokenizer is not checked" in capsys.readouterr().err
     assert cld.main([*args, "--latents", str(tmp_path / "scaled.pt"), "--scale-factor", "0.5",
                      "--out", str(tmp_path / "b.png")]) == 0  # fmt: skip
     want = np.asarray(Image.open(expected))
@@ -288,12 +303,15 @@ def test_encode_refuses_sides_that_are_not_multiples_of_the_downsample(tmp_path)
         tokenizer.encode(torch.zeros(1, 3, 20, 16))  # would silently give a 3 x 2 latent of a 24 x 16 image
 
 
-def write_meta(folder: Path, name: str, channels: int = 16, downsample: int = 4) -> Path:
-    """A prepared folder's meta.json (no shards: meta.json alone names the tokenizer and the statistics)."""
+def write_meta(folder: Path, name: str, channels: int = 16, downsample: int = 4, sha256: str | None = None) -> Path:
+    """A prepared folder's meta.json (no shards: meta.json alone names the tokenizer and the statistics); without
+    `sha256` it is one written before the decoder's hash was recorded."""
     from torchtitan.datasets.latents import FORMAT
 
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = {"kind": "cosmos_jit", "name": name, "latent_channels": channels, "downsample": downsample}
+    if sha256 is not None:
+        tokenizer["decoder_sha256"] = sha256
     normalization = {"mode": "channel", "mean": [0.5] * channels, "std": [2.0] * channels, "scale_factor": 1.0}
     (folder / "meta.json").write_text(json.dumps({"format": FORMAT, "tokenizer": tokenizer,
                                                   "normalization": normalization}))  # fmt: skip
@@ -314,11 +332,12 @@ def test_decode_for_training_loads_the_decoder_and_checks_the_latents(tmp_path):
     make_jit_tokenizer(tmp_path / "elsewhere" / "tok", downsample=8)
     cfg.latent.checkpoint_dir = str(tmp_path / "elsewhere" / "tok")
     with pytest.raises(ValueError, match=r"prepared/meta.json: the \[latent\] tokenizer is not the one .*"
-                       r"downsample: the tokenizer has 8 but the latents 4"):  # fmt: skip
+                       r"downsample: the tokenizer in '.*elsewhere/tok' has 8 but the latents 4"):  # fmt: skip
         cld.decode_for_training(cfg, z)
     cfg.training.dataset_path = str(write_meta(tmp_path / "prepared_ci16", "Cosmos-0.1-Tokenizer-CI16x16", 16, 16))
-    with pytest.raises(ValueError, match=r"latent.checkpoint_dir = '.*elsewhere/tok' is folder 'tok' but the latents "
-                       r"were encoded by folder 'Cosmos-0.1-Tokenizer-CI16x16'"):  # fmt: skip
+    with pytest.raises(ValueError, match=r"prepared_ci16/meta.json: .*downsample: the tokenizer in '.*elsewhere/tok' "
+                       r"has 8 but the latents 16 \(it records no decoder hash: kind, channels and downsample were "
+                       r"compared\)"):  # fmt: skip
         cld.decode_for_training(cfg, z)
 
 
@@ -330,10 +349,46 @@ def test_cli_checks_its_arguments_and_the_stats_tokenizer(tmp_path, capsys):
     for flags, message in ((["--max-images", "0"], "--max-images 0: must be > 0"),
                            (["--batch-size", "-1"], "--batch-size -1: must be > 0"),
                            (["--scale-factor", "nan"], "--scale-factor nan: must be a finite number >= 0"),
-                           (["--stats", str(write_meta(tmp_path / "other", "other"))],
-                            "latent.checkpoint_dir = '" + str(tmp_path / "tok") + "' is folder 'tok' but the latents "
-                            "were encoded by folder 'other'")):  # fmt: skip
+                           (["--stats", str(write_meta(tmp_path / "other", "other", downsample=8))],
+                            f"{tmp_path / 'other' / 'meta.json'}: the [latent] tokenizer is not the one these latents "
+                            "were encoded with (cosmos_jit:other (16 channels, downsample 8)): downsample: the "
+                            f"tokenizer in '{tmp_path / 'tok'}' has 4 but the latents 8")):  # fmt: skip
         assert cld.main([*args, *flags]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and message in err and "Traceback" not in err
         assert not (tmp_path / "grid.png").exists()
+
+
+def test_cli_checks_the_tokenizer_by_its_decoder_hash_whatever_its_folder(tmp_path, capsys):
+    """CI8x8 latents decoded by a CI16x16 decoder gave 128 px tiles for 64 px images, exit status 0. The decoder
+    CLI reads the meta.json beside the latents always, and compares the decoder file's hash, not folder names."""
+    import shutil
+
+    make_jit_tokenizer(tmp_path / "tok")
+    prepared = write_meta(tmp_path / "prepared", "tok", sha256=decoder_sha256("cosmos_jit", tmp_path / "tok"))
+    torch.save(torch.randn(2, 16, 4, 4), prepared / "z.pt")
+    out = tmp_path / "grid.png"
+
+    def decode(folder: Path, *flags: str) -> tuple[int, list[str]]:
+        code = cld.main(["--checkpoint-dir", str(folder), "--latents", str(prepared / "z.pt"), "--out", str(out),
+                         *flags])  # fmt: skip
+        return code, capsys.readouterr().err.splitlines()
+
+    shutil.copytree(tmp_path / "tok", tmp_path / "renamed")  # the same weights under another name
+    assert decode(tmp_path / "renamed")[0] == 0 and out.is_file()
+    out.unlink()
+    ci16 = tmp_path / "Cosmos-0.1-Tokenizer-CI16x16"
+    make_jit_tokenizer(ci16, downsample=8)
+    other_weights = tmp_path / "tok_retrained"
+    make_jit_tokenizer(other_weights, seed=1)  # same shape: only the hash tells it apart
+    for folder, extra in ((ci16, f"; downsample: the tokenizer in '{ci16}' has 8 but the latents 4"),
+                          (other_weights, "")):  # fmt: skip
+        code, err = decode(folder)
+        recorded, found = decoder_sha256("cosmos_jit", tmp_path / "tok"), decoder_sha256("cosmos_jit", folder)
+        assert code == 2 and len(err) == 1 and not out.exists(), err
+        assert err[0].startswith(f"error: {prepared / 'meta.json'}: the [latent] tokenizer is not the one these "
+                                 f"latents were encoded with (cosmos_jit:tok (16 channels, downsample 4)): "
+                                 f"latent.checkpoint_dir = '{folder}': its decoder (decoder.jit) has sha256 "
+                                 f"{found[:16]}... but the latents' tokenizer {recorded[:16]}...{extra}. ")  # fmt: skip
+    code, err = decode(other_weights, "--allow-tokenizer-mismatch")
+    assert code == 0 and out.is_file() and "(allowed: latent.allow_tokenizer_mismatch)" in err[-1]

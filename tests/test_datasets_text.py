@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.conftest import ROOT
 from torchtitan.datasets.loader import DiffusionDataLoader
 from torchtitan.datasets.text import (
     VALIDATION_EVERY,
@@ -80,6 +81,47 @@ def test_hf_tokenizer_matches_the_tokenizers_library(tmp_path):
     assert (explicit.bos_id, explicit.eos_id) == (tokenizer.eos_id, tokenizer.bos_id)
     with pytest.raises(ValueError, match=re.escape("eos_token '<|nope|>' is not a token of")):
         HFTokenizer(tmp_path / "tokenizer.json", eos_token="<|nope|>")
+
+
+def test_hf_tokenizer_never_reads_special_tokens_out_of_text(tmp_path):
+    """A document holding "<|end_of_text|>" (or BOS) as text is encoded as that text's ordinary tokens, with a
+    tokenizer of scripts/train_tokenizer.py (specials marked special) and with one whose EOS is a plain added
+    token; the EOS id then appears only where packing ends a document."""
+    from tokenizers import Tokenizer
+
+    from scripts.train_tokenizer import train_tokenizer
+
+    document = "x = '<|end_of_text|>' + '<|begin_of_text|>'  # both literal"
+    train_tokenizer([document, make_text(20)[3]], 300, tmp_path / "trained")
+    plain = Tokenizer.from_file(str(tmp_path / "trained" / "tokenizer.json"))
+    plain.add_tokens(["<|eos|>"])  # a plain added token, matched in text unless made special
+    plain.save(str(tmp_path / "plain.json"))
+    for path, eos in ((tmp_path / "trained" / "tokenizer.json", None), (tmp_path / "plain.json", "<|eos|>")):
+        tokenizer = HFTokenizer(path, eos_token=eos)
+        text = document.replace("<|end_of_text|>", eos or "<|end_of_text|>")
+        ids = tokenizer.encode(text)
+        assert tokenizer.decode(ids) == text and {tokenizer.bos_id, tokenizer.eos_id}.isdisjoint(ids)
+        assert tokenizer.encode_batch([text]) == [ids]
+        stream = pack_documents([text, "y"], tokenizer).tolist()
+        ends = [i for i, token in enumerate(stream) if token == tokenizer.eos_id]
+        assert ends == [len(ids) + 1, len(stream) - 1]  # after BOS + the document, and at the very end
+
+
+def test_a_broken_tokenizer_json_is_named_by_key_and_file(tmp_path):
+    from tokenizers import Tokenizer, models
+
+    from torchtitan.config_manager import parse_args
+    from torchtitan.datasets import build_text_dataloader
+
+    whole = Tokenizer(models.BPE()).to_str()
+    (tmp_path / "tokenizer.json").write_text(whole)
+    cfg = parse_args(["--job.config_file", str(ROOT / "train_configs/llama3_debug.toml"),
+                      "--model.tokenizer_path", str(tmp_path)])  # fmt: skip
+    for broken in (whole[: len(whole) // 2], "{nonsense", '{"version": "1.0"}'):  # truncated, not JSON, no model
+        (tmp_path / "tokenizer.json").write_text(broken)
+        message = rf"^model.tokenizer_path: {tmp_path}/tokenizer.json: not a readable Hugging Face tokenizer.json \("
+        with pytest.raises(ValueError, match=message):
+            build_text_dataloader(cfg, 258, 0, 0, 1, 0, "train")
 
 
 def write_ranks(path, merges=(b"he", b"ll", b"hell", b"hello")) -> dict[bytes, int]:
@@ -287,6 +329,105 @@ def test_packed_windows_shuffle_shard_and_resume_with_the_diffusion_loader():
     for (inputs, labels), (want_inputs, want_labels) in zip((next(resumed) for _ in range(6)), expected):
         assert torch.equal(inputs, want_inputs) and torch.equal(labels, want_labels)
         assert torch.equal(labels[:, :-1], inputs[:, 1:])
+
+
+def test_a_saved_position_past_a_smaller_datasets_epoch_restarts_it(caplog):
+    """A position saved on a larger dataset (batch 20 of 25) is past the end of a 10-batch epoch: the epoch restarts
+    from its start, with a warning, instead of the sampler's raw StopIteration."""
+    from torchtitan.tools.logging import logger
+
+    windows = lambda n: TextPackedDataset(torch.arange(n * 5, dtype=torch.int32), seq_len=4)
+    larger = DiffusionDataLoader(windows(100), 4, 0, 1, seed=3, dataloader_config=loader_config())
+    for _ in range(20):
+        next(larger)
+    smaller, fresh = (DiffusionDataLoader(windows(40), 4, 0, 1, 3, loader_config()) for _ in range(2))
+    logger.addHandler(caplog.handler)  # the project logger does not propagate to the root logger
+    try:
+        smaller.load_state_dict(larger.state_dict())
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert "past the end of epoch 0 of this dataset (40 samples, 10 batches per rank)" in caplog.text
+    for _ in range(12):  # the whole epoch 0, into epoch 1
+        assert torch.equal(next(smaller)[0], next(fresh)[0])
+
+
+def test_validation_batches_read_each_item_once_over_the_ranks():
+    """37 items, 3 ranks, batches of 4: 13 items for the largest share, so 4 batches on every rank; each item
+    once (weight 1), the rest padding (weight 0); a cap of 2 batches reads 2 x 4 items per rank."""
+    from torchtitan.datasets.loader import validation_batches
+
+    data = TextPackedDataset(torch.arange(37 * 3, dtype=torch.int32), seq_len=2)  # item i starts at 3i
+    seen, counts = [], []
+    for rank in range(3):
+        batches = list(validation_batches(data, 4, rank, 3, seed=1, max_batches=50))
+        counts.append(len(batches))
+        for inputs, labels, weight in batches:
+            assert inputs.shape == labels.shape == (4, 2) and weight.dtype == torch.float32
+            seen += (inputs[weight == 1, 0] // 3).tolist()
+            assert weight.tolist() == sorted(weight.tolist(), reverse=True)  # padding at the end
+    assert counts == [4, 4, 4] and sorted(seen) == list(range(37))
+    again = [b[0] for b in validation_batches(data, 4, 0, 3, seed=1, max_batches=2)]
+    assert len(again) == 2 and all(w.sum() == 4 for *_, w in validation_batches(data, 4, 0, 3, 1, 2))
+    assert torch.equal(torch.cat(again), torch.cat([b[0] for b in validation_batches(data, 4, 0, 3, 1, 50)][:2]))
+
+
+def test_data_record_refuses_a_new_tokenizer_and_restarts_the_position_on_new_data(tmp_path, caplog):
+    """The checkpoint's data record: another tokenizer (fingerprint, vocabulary, BOS/EOS) or latent tokenizer is
+    refused naming the key; another seq_len, dataset path or number of samples resumes with a warning and a restarted
+    data position; a moved tokenizer file of the same content, and fields of later versions, change nothing."""
+    from torchtitan.components.checkpoint import ResumeRefusedError
+    from torchtitan.datasets.record import DataRecord, data_record
+    from torchtitan.tools.logging import logger
+
+    config = lambda dataset: SimpleNamespace(training=SimpleNamespace(dataset=dataset, dataset_path=str(tmp_path)))
+    windows = TextPackedDataset(torch.arange(100), 4, 258, tokenizer_identity=ByteTokenizer().identity())
+    record = data_record(config("text"), windows)
+    assert record == {"dataset": "text", "dataset_path": str(tmp_path.resolve()), "samples": 20, "seq_len": 4,
+                      "tokenizer": "bytes", "tokenizer_fingerprint": "bytes", "vocab_size": 258, "bos_id": 256,
+                      "eos_id": 257}  # fmt: skip
+    saved = DataRecord(record).state_dict()
+    assert saved == {"json": json.dumps(record, sort_keys=True)}  # one plain string
+
+    def resume(**changes) -> DataRecord:
+        current = DataRecord({**record, **changes})
+        current.load_state_dict(saved)
+        return current
+
+    assert resume().keeps_data_position and resume(tokenizer="/moved/bytes").keeps_data_position
+    DataRecord(record).load_state_dict({"json": json.dumps({**record, "from_a_later_version": 1})})
+    other = dict(tokenizer="t.json", tokenizer_fingerprint="ab" * 20, vocab_size=300, bos_id=0, eos_id=1)
+    refusal = (r"^model.tokenizer_path: the checkpoint was trained with the tokenizer bytes \(sha1 bytes, 258 "
+               r"tokens, BOS 256, EOS 257\), this run has t.json \(sha1 abababababab, 300 tokens, BOS 0, EOS 1\) "
+               r"\(changed: tokenizer_fingerprint, vocab_size, bos_id, eos_id\): its token ids would stand for other "
+               r"text")  # fmt: skip
+    with pytest.raises(ResumeRefusedError, match=refusal):
+        resume(**other)
+    with pytest.raises(ResumeRefusedError, match=r"\(changed: eos_id\)"):
+        resume(eos_id=3)
+    logger.addHandler(caplog.handler)  # the project logger does not propagate to the root logger
+    try:
+        for changes, logged in [
+            ({"seq_len": 8, "samples": 11}, "changed data: training.seq_len (seq_len: 4 -> 8). The weights carry"),
+            ({"dataset_path": "/x"}, f"changed data: training.dataset_path (dataset_path: {tmp_path.resolve()} -> /x)"),
+            ({"samples": 15}, "changed data: the data read (20 -> 15 samples). The weights carry over"),
+        ]:
+            caplog.clear()
+            assert not resume(**changes).keeps_data_position and logged in caplog.text
+    finally:
+        logger.removeHandler(caplog.handler)
+
+    latents = torch.utils.data.TensorDataset(torch.zeros(3, 4, 8, 8), torch.zeros(3))
+    latents.meta = {"tokenizer": {"kind": "cosmos_jit", "name": "Cosmos-0.1-Tokenizer-CI8x8"}}
+    record = data_record(config("latents"), latents)
+    assert record == {"dataset": "latents", "dataset_path": str(tmp_path.resolve()), "samples": 3,
+                      "sample_shape": [4, 8, 8],
+                      "latent_tokenizer": "cosmos_jit:Cosmos-0.1-Tokenizer-CI8x8"}  # fmt: skip
+    saved = DataRecord(record).state_dict()
+    with pytest.raises(ResumeRefusedError, match=r"^training.dataset_path: .* latents of the image tokenizer "
+                                                 r"cosmos_jit:Cosmos-0.1-Tokenizer-CI8x8, this run's latents are "
+                                                 r"diffusers:AutoencoderKL:sd's"):  # fmt: skip
+        resume(latent_tokenizer="diffusers:AutoencoderKL:sd")
+    assert "dataset_path" not in data_record(config("digits"), latents)  # a dataset that reads no folder
 
 
 def test_token_cache_key_follows_the_tokenizer_file(tmp_path):

@@ -3,8 +3,10 @@
 import pytest
 import torch
 from opacus.accountants import PRVAccountant, RDPAccountant
+from opacus.accountants.utils import get_noise_multiplier
 
 from torchtitan.dp import PoissonBatchSampler, PrivacyAccountant, calibrate_noise_multiplier, pad_batch
+from torchtitan.dp.accountant import calibrate_remaining_noise_multiplier
 
 
 @pytest.mark.parametrize("name, opacus_cls, steps", [("rdp", RDPAccountant, 300), ("prv", PRVAccountant, 30)])
@@ -25,6 +27,19 @@ def test_calibration_round_trips():
     accountant = PrivacyAccountant(0.02, sigma)
     accountant.step(400)
     assert 3.0 - 0.02 <= accountant.get_epsilon(1e-5) <= 3.0
+
+
+def test_calibration_over_a_history_ends_within_the_target():
+    """The remaining steps' sigma after a history of other sigmas and sample rates: Opacus's accountant puts the whole
+    run in [target - 0.01, target]. With no history it is Opacus's get_noise_multiplier, to its bisection's precision
+    (both land in the same window)."""
+    history = [(1.2, 0.02, 150), (0.9, 0.01, 100)]
+    sigma = calibrate_remaining_noise_multiplier(3.0, 1e-5, history, 0.02, 150, start=1.2)
+    theirs = RDPAccountant()
+    theirs.history = [*history, (sigma, 0.02, 150)]
+    assert 3.0 - 0.01 <= theirs.get_epsilon(1e-5) <= 3.0
+    scratch = get_noise_multiplier(target_epsilon=3.0, target_delta=1e-5, sample_rate=0.02, steps=400)
+    assert calibrate_noise_multiplier(3.0, 1e-5, 0.02, 400) == pytest.approx(scratch, rel=0.01)
 
 
 def test_state_dict_round_trips():

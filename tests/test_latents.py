@@ -1,5 +1,6 @@
 """Latent shards: sharded resumable preparation, the dataset, its errors, and latent training end to end."""
 
+import hashlib
 import importlib.util
 import os
 import pickle
@@ -45,7 +46,8 @@ def prepare_folder(images: Path, tokenizer_dir: Path, out: Path, kind: str = "co
     tokenizer = load_tokenizer(kind, tokenizer_dir)
     source = ImageFolderDataset(str(images), 16, random_flip=False)
     return prepare_latents(source, out, tokenizer, image_size=16, num_classes=source.num_classes,
-                           classes=source.classes, shard_size=5, batch_size=4, **kwargs)  # fmt: skip
+                           classes=source.classes, shard_size=5, batch_size=4, checkpoint_dir=tokenizer_dir,
+                           **kwargs)  # fmt: skip
 
 
 def torchrun_prepare(args: list[str], nproc: int = 2) -> subprocess.CompletedProcess:
@@ -105,8 +107,11 @@ def test_interrupted_preparation_resumes_then_trains_and_decodes(tmp_path, capsy
     assert sample.main(["--checkpoint", str(run), "--num-samples", "2", "--steps", "2", "--tokenizer-dir", str(ci16),
                         "--out", str(tmp_path / "x.png")]) == 2  # fmt: skip
     err = capsys.readouterr().err
-    assert "is folder 'Cosmos-0.1-Tokenizer-CI16x16' but the latents were encoded by folder 'tok'" in err
-    assert "downsample: the tokenizer has 8 but the latents 4" in err and not (tmp_path / "x.png").exists()
+    assert f"latent.checkpoint_dir = '{ci16}': its decoder (decoder.jit) has sha256" in err  # prepare.py recorded it
+    assert f"downsample: the tokenizer in '{ci16}' has 8 but the latents 4" in err and not (tmp_path / "x.png").exists()
+    assert sample.main(["--checkpoint", str(run), "--num-samples", "2", "--steps", "2", "--tokenizer-dir", str(ci16),
+                        "--out", str(tmp_path / "x.png"), "--allow-tokenizer-mismatch"]) == 0  # fmt: skip
+    assert Image.open(tmp_path / "x.png").size == (2 + 2 * 66, 2 + 66)  # 32 px tiles, as asked (64 px shown)
 
 
 def test_diffusers_autoencoder_flow(tmp_path):
@@ -243,11 +248,17 @@ def test_cifar10_prepare_script(tmp_path):
 
 def test_build_dataset_refuses_another_tokenizer(tmp_path, prepared):
     training, args = Training(dataset="latents", dataset_path=str(prepared)), TINY_LATENT_ARGS
+    decoder = tmp_path / "tok" / "decoder.jit"
+    assert read_meta(prepared)["tokenizer"]["decoder_sha256"] == hashlib.sha256(decoder.read_bytes()).hexdigest()
     dataset = build_dataset(training, args, Latent(tokenizer="cosmos_jit", checkpoint_dir=str(tmp_path / "tok")))
     assert len(dataset) == 12
+    shutil.copytree(tmp_path / "tok", tmp_path / "renamed")  # the same weights: a folder's name is no identity
+    assert len(build_dataset(training, args, Latent(tokenizer="cosmos_jit", checkpoint_dir=str(tmp_path / "renamed"))))
+    ci16 = tmp_path / "Cosmos-0.1-Tokenizer-CI16x16"
+    make_jit_tokenizer(ci16, downsample=8)
     for latent, messages in (
-        (Latent(tokenizer="cosmos_jit", checkpoint_dir=str(tmp_path / "Cosmos-0.1-Tokenizer-CI16x16")),
-         ["is folder 'Cosmos-0.1-Tokenizer-CI16x16' but the latents were encoded by folder 'tok'"]),
+        (Latent(tokenizer="cosmos_jit", checkpoint_dir=str(ci16)),
+         [f"latent.checkpoint_dir = '{ci16}': its decoder (decoder.jit) has sha256"]),
         (Latent(tokenizer="diffusers", checkpoint_dir=str(tmp_path / "tok")),
          ["latent.tokenizer = 'diffusers' but the latents' tokenizer kind is 'cosmos_jit'"]),
     ):  # fmt: skip
@@ -259,6 +270,8 @@ def test_build_dataset_refuses_another_tokenizer(tmp_path, prepared):
         assert all(m in message for m in messages), message
     # No [latent] tokenizer: the latents train as they are (a latent model then saves its samples as latents).
     assert len(build_dataset(training, args, Latent())) == 12
+    allowed = Latent(tokenizer="cosmos_jit", checkpoint_dir=str(ci16), allow_tokenizer_mismatch=True)
+    assert len(build_dataset(training, args, allowed)) == 12
 
 
 def test_prepare_script_errors_are_one_line_naming_the_fault(tmp_path, capsys):
@@ -268,7 +281,8 @@ def test_prepare_script_errors_are_one_line_naming_the_fault(tmp_path, capsys):
     script = load_script(ROOT / "data" / "imagenet" / "prepare.py")
     args = ["--source", str(images), "--image-size", "16", "--out", str(tmp_path / "prepared"), "--num-workers", "0"]
     assert script.main([*args, "--checkpoint-dir", str(tmp_path / "tok")]) == 0
-    assert read_meta(tmp_path / "prepared")["tokenizer"]["downsample"] == 4
+    recorded = read_meta(tmp_path / "prepared")["tokenizer"]
+    assert recorded["downsample"] == 4 and recorded["decoder_sha256"] is None  # no decoder file to hash
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "encoder.jit").write_bytes(b"half a download")

@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 
 from torchtitan.models.llama3.flavors import llama3_configs
@@ -156,6 +157,18 @@ def test_load_hf_folder_names_what_is_wrong(tmp_path):
     save_file({k: v for k, v in weights.items() if "down_proj" not in k}, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match=r"missing weights for \['layers.0.feed_forward.w2.weight'"):
         load_hf_folder(tmp_path, model)
+    save_file(weights, tmp_path / "model.safetensors")
+    # The numerics that change the logits must agree too (build the model from config.json: args_for_hf_folder).
+    with pytest.raises(ValueError, match=r"config.json: norm_eps \(rms_norm_eps\) is 1e-05, the model has 1e-06"):
+        load_hf_folder(tmp_path, Llama3(tiny_args(norm_eps=1e-6)))
+    whole = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(whole[: len(whole) // 2])  # an interrupted download
+    with pytest.raises(ValueError, match=r"model.safetensors: not a readable safetensors file \(.*incomplete"):
+        load_hf_folder(tmp_path, model)
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 1}}))
+    with pytest.raises(ValueError, match=r"model.safetensors.index.json: no 'weight_map'"):
+        load_hf_folder(tmp_path, model)
+    (tmp_path / "model.safetensors.index.json").unlink()
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
         load_hf_folder(tmp_path, model)
@@ -172,8 +185,36 @@ def test_published_config_gives_the_flavor():
         "rope_theta": 500000.0, "tie_word_embeddings": True, "vocab_size": 128256,
     }  # fmt: skip
     assert args_from_hf_config(config) == llama3_configs["Llama-3.2-1B"]
-    with pytest.raises(ValueError, match="rope type 'yarn'"):
-        args_from_hf_config({**config, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    # What our model does not implement is refused by its key, and another family by its model_type.
+    for change, message in [
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn'"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, r"no \['low_freq_factor', 'high_freq_factor'\]"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+        ({"attention_bias": True}, "attention_bias=True is not supported"),
+        ({"mlp_bias": True}, "mlp_bias=True is not supported"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
+        ({"attention_dropout": 0.1}, "attention_dropout=0.1 is not supported"),
+        ({"head_dim": 128}, "head_dim=128 is not hidden_size / num_attention_heads"),
+        ({"architectures": ["LlamaForTokenClassification"]}, r"architectures \['LlamaForTokenClassification'\]"),
+        ({"model_type": "mistral"}, "not a Llama config .model_type 'mistral'"),
+        ({"architectures": None}, r"not a Llama config .model_type None, architectures \[\]"),
+        ({"model_type": "llama", "hidden_size": None}, r"no \['hidden_size'\]: not a whole Llama config"),
+        ({"num_key_value_heads": 3}, "n_kv_heads 3 must be > 0 and divide n_heads 32"),
+    ]:
+        config_json = {key: value for key, value in {**config, **change}.items() if value is not None}
+        with pytest.raises(ValueError, match=rf"^a/config.json: .*{message}"):
+            args_from_hf_config(config_json, "a/config.json")
+
+
+def test_llama3_scaling_without_its_context_takes_max_position_embeddings():
+    transformers = pytest.importorskip("transformers")
+    # A rope_scaling without original_max_position_embeddings: transformers takes max_position_embeddings, as we do.
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    config = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, vocab_size=VOCAB, intermediate_size=48,
+                  max_position_embeddings=48, rope_theta=500000.0, rope_scaling=scaling)  # fmt: skip
+    theirs = transformers.LlamaConfig(**config).rope_parameters["original_max_position_embeddings"]
+    ours = args_from_hf_config({**config, "model_type": "llama"}).rope_scaling.original_max_position_embeddings
+    assert ours == theirs == 48
 
 
 # ------------------------------------------------------------------------------------- causality and sliding window
@@ -257,6 +298,18 @@ def test_meta_build_materializes_like_a_cpu_build():
 # -------------------------------------------------------------------------------------------------------- FLOPs
 
 
+# Newer torch counts no FLOPs for CPU SDPA's flash kernel (2.14 registers only the CUDA kernels): it is given
+# torch's own SDPA formulas here, the ones the CUDA kernels are counted by.
+CPU_SDPA_FLOPS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: (
+        lambda q, k, v, *args, out_shape=None, **kwargs: flop_counter.sdpa_flop_count(q, k, v)
+    ),
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: (
+        lambda grad, q, k, v, *args, out_shape=None, **kwargs: flop_counter.sdpa_backward_flop_count(grad, q, k, v)
+    ),
+}
+
+
 @pytest.mark.parametrize("overrides", [{}, {"num_labels": 3}, {"n_kv_heads": 4, "tie_embeddings": True}],
                          ids=["lm-gqa", "classifier", "lm-mha-tied"])  # fmt: skip
 def test_flops_per_token_matches_flop_counter(overrides):
@@ -269,7 +322,7 @@ def test_flops_per_token_matches_flop_counter(overrides):
     model = random_model(args)
     batch, seq_len = 2, 32
     x = torch.randint(0, args.vocab_size, (batch, seq_len))
-    with FlopCounterMode(display=False) as counter:
+    with FlopCounterMode(display=False, custom_mapping=CPU_SDPA_FLOPS) as counter:
         model(x).float().sum().backward()
     by_op = {str(op): flops for op, flops in counter.get_flop_counts()["Global"].items()}
     attention = sum(flops for op, flops in by_op.items() if "scaled_dot_product" in op)

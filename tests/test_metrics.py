@@ -56,3 +56,25 @@ def test_under_dp_the_console_line_names_the_noised_norm_and_shows_the_per_sampl
     assert line.endswith("eps 0.500  sample_norm mean 0.800 p95 1.900 clipped 25.0%")
     logged = [json.loads(text) for text in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert logged == [{"step": 1, **record}]
+
+
+def test_a_resumed_run_drops_the_records_an_earlier_run_logged_after_its_step(tmp_path, caplog):
+    path = tmp_path / "metrics.jsonl"
+    records = [json.dumps({"step": step, "loss": 1.0 / step}) for step in range(1, 7)]
+    path.write_text("\n".join(records) + '\n{"step": 7, "lo')  # killed at step 7, mid-line
+    MetricsLogger(JobConfig(), tmp_path, rank=0).close()  # no start step: the file is kept as it is
+    assert path.read_text().endswith('{"step": 7, "lo')
+    with caplog.at_level("INFO"):
+        logger = MetricsLogger(JobConfig(), tmp_path, rank=0, start_step=4)  # resumed from the step-4 checkpoint
+    assert f"metrics: dropped 3 record(s) after step 4 from {path}" in caplog.text
+    logger.log(5, {"loss": 0.5, "grad_norm": 1.0, "lr": 1e-3, "images_per_second": 5.0, "step_time_s": 0.1,
+                   "data_time_s": 0.0})  # fmt: skip
+    logger.close()
+    logged = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in logged] == [1, 2, 3, 4, 5] and logged[3] == {"step": 4, "loss": 0.25}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]  # rewritten in place, no leftover
+    # A run from step 0 (no checkpoint to resume) keeps the earlier run's records, moved aside, not deleted.
+    before = path.read_text()
+    MetricsLogger(JobConfig(), tmp_path, rank=0, start_step=0).close()
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("metrics.before-")]
+    assert len(aside) == 1 and aside[0].read_text() == before and path.read_text() == ""

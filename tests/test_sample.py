@@ -104,3 +104,15 @@ def test_several_ranks_need_npz_and_classes_need_a_conditional_model(digits_run,
     with pytest.raises(ValueError, match=r"--classes \[1\]: the model is unconditional"):
         sample.labels_for(4, [1], num_classes=0)
     assert sample.labels_for(4, [], num_classes=0) is None
+
+
+def test_a_llama_run_is_refused_in_one_line(tmp_path, capsys):
+    run = tmp_path / "llama_run"
+    (run / "checkpoint" / "step-2").mkdir(parents=True)
+    shutil.copy(ROOT / "train_configs" / "llama3_debug.toml", run / "config.toml")  # as a Llama run writes it
+    for checkpoint in (run, run / "checkpoint" / "step-2"):
+        assert sample.main(["--checkpoint", str(checkpoint), "--out", str(tmp_path / "x.png")]) == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f"error: {run / 'config.toml'} is a 'llama3' run (model.name): "
+            "sample.py samples images from DiT runs (model.name = 'dit')"
+        ]

@@ -1,8 +1,11 @@
 """DP-SGD through the trainer: epsilon and the per-sample norm statistics logged (against torch.func norms and
 torch.quantile), resume exact, FSDP equals one process, clear refusals."""
 
+import gc
 import math
 import os
+import re
+import shutil
 import socket
 
 import pytest
@@ -12,9 +15,12 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from tests.conftest import TINY, read_metrics, run_train
+from torchtitan.components.checkpoint import ResumeRefusedError
 from torchtitan.config_manager import JobConfig
 from torchtitan.dp.testing import clipped_mean, per_sample_grads
 from torchtitan.dp.training import PrivateTraining, gather_kept, norm_statistics
+from torchtitan.tools.logging import logger
+from torchtitan.trainer import Trainer
 
 DP = [*TINY, "--training.steps", "4", "--training.global_batch_size", "16", "--dp.enable", "true",
       "--dp.noise_multiplier", "0.7", "--dp.max_grad_norm", "1.0", "--checkpoint.enable", "true",
@@ -25,36 +31,101 @@ DP_KEYS = ("loss", "dp_noised_grad_norm", "dp_epsilon", "dp_grad_norm_mean", "dp
            "dp_clipped_fraction")  # fmt: skip
 
 
-@pytest.mark.parametrize("optimizer", [[], ["--optimizer.name", "SGD", "--optimizer.momentum", "0.9"]],
-                         ids=["adamw", "sgd_momentum"])  # fmt: skip
-def test_dp_run_logs_epsilon_and_resumes_exactly(tmp_path, optimizer):
-    args = [*DP, "--training.local_batch_size", "16", *optimizer]
-    run_train([*args, "--job.dump_folder", str(tmp_path / "full")])
+@pytest.fixture
+def train_in_process():
+    """train.py's main() in this process (no interpreter start-up), its global changes undone after: automatic
+    garbage collection (the trainer turns it off), the package logger's handlers (on this test's captured stderr)
+    and the compiler settings the DP engine changes."""
+    import torch._functorch.config
+    import torch._inductor.config
+
+    import train
+
+    handlers, level, propagate = logger.handlers[:], logger.level, logger.propagate
+    compiler = (torch._functorch.config.donated_buffer, torch._inductor.config.allow_buffer_reuse,
+                torch._inductor.config.inplace_buffers)  # fmt: skip
+    yield train.main
+    gc.enable()
+    logger.handlers[:] = handlers
+    logger.setLevel(level)
+    logger.propagate = propagate
+    (torch._functorch.config.donated_buffer, torch._inductor.config.allow_buffer_reuse,
+     torch._inductor.config.inplace_buffers) = compiler  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [[], ["--optimizer.name", "SGD", "--optimizer.momentum", "0.9", "--dp.target_epsilon", "2.0"]],
+    ids=["adamw", "sgd_momentum_target_epsilon"],
+)
+def test_dp_run_logs_epsilon_and_resumes_exactly(tmp_path, variant, train_in_process, capsys):
+    """Resumed from the step-2 checkpoint of the same config (what a run killed there leaves), steps 3 and 4 are
+    exact; calibrated to a target, the resume reuses the checkpoint's noise multiplier. Resumed with dp.enable false,
+    the DP checkpoint is refused by name (with shuffled batches it used to resume silently, without its accountant)."""
+    args = [*DP, "--training.local_batch_size", "16", *variant]
+    full_run = run_train([*args, "--job.dump_folder", str(tmp_path / "full")])
     full = read_metrics(tmp_path / "full")
     eps = [m["dp_epsilon"] for m in full]
     assert all(b > a > 0 for a, b in zip(eps, eps[1:]))  # privacy spent grows every step
 
     resumed = tmp_path / "resumed"
-    run_train([*args, "--job.dump_folder", str(resumed), "--training.steps", "2"])
-    run_train([*args, "--job.dump_folder", str(resumed)])
-    assert [[m[k] for k in DP_KEYS] for m in read_metrics(resumed)] == [[m[k] for k in DP_KEYS] for m in full]
+    shutil.copytree(tmp_path / "full" / "checkpoint" / "step-2", resumed / "checkpoint" / "step-2")
+    second = run_train([*args, "--job.dump_folder", str(resumed)])
+    assert [[m[k] for k in DP_KEYS] for m in read_metrics(resumed)] == [[m[k] for k in DP_KEYS] for m in full[2:]]
+    if "--dp.target_epsilon" in variant:
+        sigma = re.search(r"dp: noise_multiplier (\S+) reaches epsilon 2.0", full_run.stderr).group(1)
+        assert f"dp: resumed with the recorded noise_multiplier {sigma} (calibrated for epsilon 2" in second.stderr
+        assert 2.0 - 0.01 <= eps[-1] <= 2.0
+        return
+    capsys.readouterr()
+    assert train_in_process([*args, "--job.dump_folder", str(resumed), "--dp.enable", "false"]) == 2
+    assert (f"error: checkpoint {resumed / 'checkpoint' / 'step-4'}: it was written with DP-SGD on (dp.enable true) "
+            "and this run has dp.enable false") in capsys.readouterr().err  # fmt: skip
 
 
-def test_dp_run_logs_the_per_sample_norms_and_the_noised_grad_norm(tmp_path):
+def test_dp_run_logs_the_per_sample_norms_and_the_noised_grad_norm(tmp_path, train_in_process, capsys, monkeypatch):
     """Poisson batches (mostly padding here), two steps per log: the statistics' keys in every record, no
-    `grad_norm`, and the clipped fraction in closed form at a tiny C (every sample) and a huge one (none)."""
-    poisson = [*DP, "--training.local_batch_size", "16", "--dp.sampling", "poisson", "--metrics.log_freq", "2",
-               "--checkpoint.enable", "false"]  # fmt: skip
-    for max_norm, fraction in (("1e-6", 1.0), ("1e6", 0.0)):
-        folder = tmp_path / max_norm
-        result = run_train([*poisson, "--dp.max_grad_norm", max_norm, "--job.dump_folder", str(folder)])
-        assert "noised_grad_norm" in result.stderr and "sample_norm mean" in result.stderr  # the console line
+    `grad_norm`, and the clipped fraction in closed form at a tiny C (every sample) and a huge one (none). The
+    logged loss is the mean over the samples the step drew. Resumed with dp.enable false, the checkpoint is refused
+    by name (it used to fail on a missing loader key); with dp.continue_without_privacy it trains on without DP."""
+    poisson = [*DP, "--training.local_batch_size", "16", "--dp.sampling", "poisson", "--metrics.log_freq", "2"]
+    tiny = tmp_path / "1e-6"
+    result = run_train([*poisson, "--dp.max_grad_norm", "1e-6", "--checkpoint.enable", "false",
+                        "--job.dump_folder", str(tiny)])  # fmt: skip
+    assert "noised_grad_norm" in result.stderr and "sample_norm mean" in result.stderr  # the console line
+
+    drawn = {}  # step -> the losses of the samples it drew
+    forward_backward = Trainer.forward_backward
+
+    def recording(self, batch, micro=0):
+        losses = forward_backward(self, batch, micro)
+        drawn[self.step + 1] = losses[batch[2]]
+        return losses
+
+    monkeypatch.setattr(Trainer, "forward_backward", recording)
+    huge = [*poisson, "--dp.max_grad_norm", "1e6", "--job.dump_folder", str(tmp_path / "1e6")]
+    assert train_in_process(huge) == 0
+    monkeypatch.undo()
+    for folder, fraction in ((tiny, 1.0), (tmp_path / "1e6", 0.0)):
         metrics = read_metrics(folder)
         assert [m["step"] for m in metrics] == [2, 4]
         for m in metrics:
             assert "grad_norm" not in m  # under DP the logged norm is named for what it is
             assert all(math.isfinite(m[k]) and m[k] > 0 for k in DP_KEYS if k != "dp_clipped_fraction")
             assert m["dp_clipped_fraction"] == fraction
+    for m in metrics:  # the mean over the drawn samples, not their sum over the expected batch (16)
+        assert m["loss"] == pytest.approx(drawn[m["step"]].mean().item(), rel=1e-6)
+        assert len(drawn[m["step"]]) != 16
+
+    capsys.readouterr()
+    off = [*huge, "--dp.enable", "false", "--training.steps", "5"]
+    assert train_in_process(off) == 2
+    assert "it was written with DP-SGD on (dp.enable true) and this run has dp.enable false" in capsys.readouterr().err
+    gc.collect()  # the refused Trainer holds the run folder's lock until it is collected
+    assert train_in_process([*off, "--dp.continue_without_privacy", "true"]) == 0
+    assert "a Poisson sampler's step (4), which shuffled batches cannot continue" in capsys.readouterr().err
+    last = read_metrics(tmp_path / "1e6")[-1]
+    assert last["step"] == 5 and math.isfinite(last["loss"]) and "grad_norm" in last and "dp_epsilon" not in last
 
 
 def _linear_norms(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -98,6 +169,83 @@ def test_norm_statistics_cover_every_real_sample_since_the_last_log(augmult):
         assert got["dp_clipped_fraction"] == pytest.approx((norms > dp.max_grad_norm).double().mean().item())
     assert windows[0]["dp_clipped_fraction"] not in (0.0, 1.0)
     assert windows[2].keys() == {"dp_epsilon"}  # nothing since the last call: no statistics
+
+
+def _private(total_steps: int, target_epsilon: float = 2.0, noise_multiplier: float = 1.0, accountant: str = "rdp",
+             state: dict | None = None) -> PrivateTraining:  # fmt: skip
+    """A run's PrivateTraining at q = 16 / 1000, resumed from `state` if given (as the checkpoint load does)."""
+    dp = JobConfig().dp
+    dp.mode, dp.accountant = "ghost", accountant
+    dp.target_epsilon, dp.noise_multiplier = target_epsilon, noise_multiplier
+    private = PrivateTraining(dp, nn.Linear(2, 1), dataset_size=1000, global_batch=16, total_steps=total_steps,
+                              mesh=None, seed=0)  # fmt: skip
+    if state is not None:
+        private.load_state_dict(state)
+    return private
+
+
+def _train_in_pieces(pieces: list[tuple[int, int, float]]) -> PrivateTraining:
+    """Runs of (training.steps, the step it stops at, dp.target_epsilon), each resumed from the last one's state."""
+    private = None
+    for total, stop, target in pieces:
+        private = _private(total, target, state=None if private is None else private.state_dict())
+        assert private.engine.noise_multiplier == private.accountant.noise_multiplier == private.noise_multiplier
+        for _ in range(stop - private.accountant.steps):
+            private.step_done()
+    return private
+
+
+def test_a_run_resumed_in_pieces_ends_within_its_privacy_budget():
+    """Unchanged config: the recorded sigma, so the very epsilon of the unbroken run. Steps or target changed: sigma
+    for the remaining steps over the recorded history, so the whole run ends within [target - 0.01, target] (the
+    issue's case: 4 steps, then resumed with training.steps 6, ended at 2.028 > 2.0)."""
+    unbroken = _train_in_pieces([(6, 6, 2.0)])
+    split = _train_in_pieces([(6, 2, 2.0), (6, 5, 2.0), (6, 6, 2.0)])
+    assert split.accountant.get_epsilon(1e-5) == unbroken.accountant.get_epsilon(1e-5)
+    assert split.accountant.history == unbroken.accountant.history == [(unbroken.noise_multiplier, 0.016, 6)]
+    for pieces in ([(4, 4, 2.0), (6, 6, 2.0)], [(6, 3, 2.0), (12, 7, 2.5), (9, 9, 2.5)]):
+        private = _train_in_pieces(pieces)
+        target = pieces[-1][2]
+        assert target - 0.01 <= private.accountant.get_epsilon(1e-5) <= target, pieces
+        assert len(private.accountant.history) == len(pieces), pieces  # each piece its own sigma
+        assert private.state_dict()["calibration"]["total_steps"] == pieces[-1][0]
+
+
+def test_resume_reuses_the_recorded_noise_multiplier():
+    """The recorded sigma wins over the fresh calibration when nothing it was calibrated for changed (even if they
+    differ, e.g. another Opacus); a fixed dp.noise_multiplier is used as configured whatever the checkpoint had."""
+    state = _private(6).state_dict()
+    state["calibration"]["noise_multiplier"] = 1.2345
+    resumed = _private(6, state=state)
+    assert resumed.engine.noise_multiplier == resumed.accountant.noise_multiplier == 1.2345
+    fixed = _private(8, target_epsilon=0.0, noise_multiplier=0.9, state=state)
+    assert fixed.engine.noise_multiplier == fixed.accountant.noise_multiplier == 0.9
+    # A checkpoint written before the record was kept: the rest is recalibrated over its history, within target.
+    first = _private(6)
+    for _ in range(3):
+        first.step_done()
+    old = first.state_dict()
+    del old["calibration"]
+    resumed = _private(6, state=old)
+    for _ in range(3):
+        resumed.step_done()
+    assert 2.0 - 0.01 <= resumed.accountant.get_epsilon(1e-5) <= 2.0
+
+
+def test_resume_past_the_privacy_budget_is_refused():
+    spent = _private(4, target_epsilon=0.0, noise_multiplier=0.5)  # 4 steps at sigma 0.5 spend more than 2
+    for _ in range(4):
+        spent.step_done()
+    epsilon = spent.accountant.get_epsilon(1e-5)
+    with pytest.raises(ResumeRefusedError) as refused:
+        _private(6, target_epsilon=2.0, state=spent.state_dict())
+    assert str(refused.value) == (
+        f"dp.target_epsilon: the privacy budget is spent (4 steps done spent epsilon {epsilon:.4f} at delta 1e-05, "
+        "dp.target_epsilon is 2, 2 of training.steps 6 remain); raise dp.target_epsilon or train no further"
+    )
+    assert epsilon > 2.0
+    with pytest.raises(ResumeRefusedError, match="dp.accountant: the checkpoint's privacy was accounted with 'rdp'"):
+        _private(6, target_epsilon=0.0, accountant="prv", state=spent.state_dict())
 
 
 def test_norm_statistics_match_torch_quantile():

@@ -201,6 +201,8 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     config_file = getattr(args, "job.config_file") or ""
     if config_file:
         path = Path(config_file)
+        if path.is_dir():
+            raise ConfigError(f"job.config_file = {config_file!r} in the command line is a directory, not a TOML file")
         if not path.is_file():
             raise ConfigError(f"job.config_file = {config_file!r} in the command line: the file does not exist")
         try:

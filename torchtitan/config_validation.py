@@ -168,6 +168,9 @@ def _check_model(cfg, errors: list[str]) -> None:
         return
     try:
         args = build_model_args(spec, cfg)
+    except ConfigError as e:  # about another key: a Hugging Face folder's config.json (checkpoint.initial_load_path)
+        errors.append(str(e))
+        return
     except ValueError as e:  # the model's own invariants (DiTArgs.validate), from these overrides
         errors.append(f"{at(cfg, 'model.flavor')} with the [model] overrides: {e}")
         return
@@ -191,6 +194,12 @@ def _check_family(cfg, spec, args, errors: list[str]) -> None:
                       f"{'one' if spec.read_hf_fn else 'none'}")  # fmt: skip
     if spec.name == "dit":
         return
+    if getattr(args, "num_labels", 0) > 0 and cfg.training.dataset != "synthetic_classification":
+        # A classifier takes one label per sequence; packed text gives next-token labels only (it would fail at
+        # step 1 on the labels' shape).
+        errors.append(f"{at(cfg, 'model.num_classes')}: a sequence classifier needs labelled sequences, and "
+                      f"{at(cfg, 'training.dataset')} is unlabelled text; set model.num_classes = 0 (the causal "
+                      "LM) or train on 'synthetic_classification'")  # fmt: skip
     if cfg.sampling.freq > 0 and cfg.source_of("sampling.freq") != "the defaults":
         errors.append(f"{at(cfg, 'sampling.freq')}: image sample grids are the DiT's; {name} writes none (set 0)")
     if cfg.dp.enable and getattr(args, "tie_embeddings", False):

@@ -254,7 +254,9 @@ class Checkpoint:
     """Checkpoint folder to start from when the run has none of its own."""
     initial_load_in_hf: bool = False
     """initial_load_path is a Hugging Face model folder (config.json + *.safetensors, Llama 3): its weights are the
-    starting point (model only), converted by torchtitan/models/llama3/state_dict_adapter.py."""
+    starting point (model only), converted by torchtitan/models/llama3/state_dict_adapter.py, and its config.json
+    gives the model's norm eps, RoPE theta and scaling and max positions (the flavor's shapes are checked against
+    it). The folder is read whenever the run starts, resumes included."""
     last_save_model_only: bool = False
     """The final checkpoint holds model and EMA only."""
     export_dtype: str = "float32"
@@ -335,6 +337,8 @@ class Latent:
     """Local folder of the tokenizer."""
     scale_factor: float = 0.0
     """Latent scale (e.g. SD 0.18215); 0 uses the statistics stored with the prepared data."""
+    allow_tokenizer_mismatch: bool = False
+    """Go on (with a warning) when this tokenizer is not the one the prepared latents' meta.json records."""
 
 
 @dataclass
@@ -348,7 +352,9 @@ class DP:
     noise_multiplier: float = 1.0
     """Noise std / C; ignored when target_epsilon > 0."""
     target_epsilon: float = 0.0
-    """Calibrate noise_multiplier to reach this epsilon at the end (0: use noise_multiplier)."""
+    """Calibrate noise_multiplier to reach this epsilon at the end (0: use noise_multiplier). A resume keeps the
+    checkpoint's noise_multiplier, or, with training.steps or the target changed, calibrates one for the remaining
+    steps over the privacy already spent (refused if the budget is spent)."""
     delta: float = 1e-5
     """Target delta."""
     accountant: str = "rdp"
@@ -357,6 +363,10 @@ class DP:
     """'poisson' (the accountant's assumption) or 'shuffle' (fixed-size shuffled batches)."""
     augmult: int = 1
     """Noise/timestep draws per example averaged before clipping (DPDM)."""
+    continue_without_privacy: bool = False
+    """With dp.enable false, resume a checkpoint written with DP-SGD on: its privacy accountant is dropped and the
+    rest of the run has no privacy guarantee (a Poisson-sampled run's data order restarts). Without it such a resume
+    is refused."""
 
 
 @dataclass

@@ -12,6 +12,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from torchtitan.config_validation import ConfigError
+
 
 @dataclass(frozen=True)
 class BatchLayout:
@@ -44,7 +46,8 @@ class TrainSpec:
     Attributes:
         model_args: flavor name -> the model's args dataclass.
         build_model_args_fn: (flavor args copy, job_config) -> args with the config's overrides applied and validated
-            (raises ValueError naming the field).
+            (raises ValueError naming the field, or ConfigError naming another key it reads, such as a Hugging Face
+            folder's config.json under checkpoint.initial_load_path).
         parallelize_fn: (model, parallel_dims, job_config) -> model, applied on the meta device.
         build_objective_fn: (job_config, model_args, BatchLayout) -> Objective.
         build_dataloader_fn: (job_config, model_args, dp_rank, dp_world, poisson_steps, split) -> an endless,
@@ -89,9 +92,16 @@ def get_train_spec(name: str) -> TrainSpec:
 
 
 def build_model_args(spec: TrainSpec, job_config) -> Any:
-    """The flavor's args (a fresh copy: overrides never leak into the registry) with the config's overrides."""
+    """The flavor's args (a fresh copy: overrides never leak into the registry) with the config's overrides.
+
+    Raises:
+        ValueError: the args are invalid, prefixed with the flavor; ConfigError (a ValueError) as the family raised
+            it, naming its key.
+    """
     flavor = job_config.model.flavor
     try:
         return spec.build_model_args_fn(dataclasses.replace(spec.model_args[flavor]), job_config)
+    except ConfigError:
+        raise  # names its own key (a Hugging Face folder's config.json: checkpoint.initial_load_path)
     except ValueError as e:
         raise ValueError(f"[model] flavor {flavor!r} with overrides: {e}") from e

@@ -29,7 +29,8 @@ from torchtitan.components.run_lock import acquire_run_lock
 from torchtitan.components.sampling import SampleWriter
 from torchtitan.config_manager import ConfigError, JobConfig, check_batch_sizes, to_toml
 from torchtitan.config_validation import at, validate_layout
-from torchtitan.dp.training import PrivateTraining
+from torchtitan.datasets.record import DataRecord, data_record
+from torchtitan.dp.training import DP_CHECKPOINT_WITHOUT_DP, PrivateTraining, resuming_without_privacy
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.utils import full_tensor_random_init, torch_dtype
 from torchtitan.tools.batch_size_finder import resolve_local_batch_size
@@ -87,14 +88,14 @@ class Trainer:
         poisson_steps = cfg.training.steps if cfg.dp.enable and cfg.dp.sampling == "poisson" else 0
         self.dataloader = self.build_dataloader(poisson_steps, "train")
         self.validation_loader = self.build_dataloader(0, "validation") if cfg.validation.enable else None
-        # Every validation reads the same held-out batches: the loader restarts from its first state.
-        self.validation_start = self.validation_loader.state_dict() if self.validation_loader is not None else None
+        self._validation_logged = False  # the pass's size is logged once: it is the same every time
         self.private = None
         if cfg.dp.enable:
             self.private = PrivateTraining(cfg.dp, self.model, len(self.dataloader.dataset), self.global_batch,
                                            cfg.training.steps, self.parallel_dims.mesh, cfg.debug.seed)  # fmt: skip
         self._build_training_state()
-        self.metrics = MetricsLogger(cfg, self.dump_folder, self.rank)
+        # After the checkpoint load: records an earlier run logged past the step this one starts from are dropped.
+        self.metrics = MetricsLogger(cfg, self.dump_folder, self.rank, start_step=self.step)
         self.samples = None  # image grids during training: for the diffusion objectives
         if getattr(self.objective, "diffusion", None) is not None:
             self.samples = SampleWriter(cfg, self.model_args, self.objective.diffusion, self.device, self.rank,
@@ -146,11 +147,20 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         self.ema = EMA(self.model, cfg.training.ema_decay, cfg.training.ema_warmup) if cfg.training.ema_decay else None
-        extra = {"dp": self.private} if self.private else None
+        # The data's meaning (tokenizer, seq_len, dataset): a resume that would make it meaningless is refused.
+        extra = {"data": DataRecord(data_record(cfg, self.dataloader.dataset))}
+        if self.private:
+            extra["dp"] = self.private
+        # A DP checkpoint resumed with dp.enable false is refused unless asked for (it would drop the accountant).
+        foreign = None if cfg.dp.enable or cfg.dp.continue_without_privacy else {"dp": DP_CHECKPOINT_WITHOUT_DP}
         self.checkpointer = CheckpointManager(cfg.checkpoint, self.dump_folder, self.model, self.optimizer,
                                               self.lr_scheduler, self.ema, self.dataloader, self.rank,
-                                              self.world_size, extra)  # fmt: skip
-        self.step = self.checkpointer.maybe_load()
+                                              self.world_size, extra, foreign)  # fmt: skip
+        resuming = contextlib.nullcontext()
+        if not cfg.dp.enable and cfg.dp.continue_without_privacy:
+            resuming = resuming_without_privacy(self.checkpointer, cfg.checkpoint.load_step)
+        with resuming:
+            self.step = self.checkpointer.maybe_load()
         if self.step == 0 and cfg.checkpoint.initial_load_in_hf:
             self.load_hf_weights(cfg.checkpoint.initial_load_path)
         if self.step > 0:  # the config's optimizer settings win over the checkpoint's
@@ -275,11 +285,13 @@ class Trainer:
             NonFiniteStepError: the loss or the gradient norm is NaN or inf; the update is not applied.
         """
         loss_sum = torch.zeros((), device=self.device)
+        loss_count = torch.zeros((), device=self.device)  # samples drawn: a Poisson batch's vary (on the device)
         for micro in range(self.grad_accum_steps):
             batch = self.next_batch()
             losses = self.forward_backward(batch, micro)
             mask = batch[2]
             loss_sum += (losses if mask is None else losses * mask).sum()
+            loss_count += losses.shape[0] if mask is None else mask.sum()
         grad_norm = self.grad_norm()
         self.check_finite(loss_sum, grad_norm)  # before anything changes the weights
         max_norm = self.job_config.training.max_norm if self.private is None else 0.0  # DP clips per sample instead
@@ -301,7 +313,7 @@ class Trainer:
         if self.private is not None:
             self.private.step_done()
         self.step += 1
-        return {"loss_sum": loss_sum, "grad_norm": grad_norm, "lr": lr}
+        return {"loss_sum": loss_sum, "loss_count": loss_count, "grad_norm": grad_norm, "lr": lr}
 
     def check_finite(self, loss_sum: torch.Tensor, grad_norm: torch.Tensor) -> None:
         """Stops the run before a non-finite update; the gradient norm is global, so every rank stops alike (a NaN
@@ -324,12 +336,15 @@ class Trainer:
     def log(self, out: dict) -> None:
         """The step's metrics. Under DP the gradient norm is the noised one the optimizer applies
         (`dp_noised_grad_norm`), and the per-sample norms before clipping are summarized over every sample since the
-        last log (PrivateTraining.metrics: a collective over the data-parallel ranks)."""
-        loss_sum = out["loss_sum"].clone()
+        last log (PrivateTraining.metrics: a collective over the data-parallel ranks). The loss is the mean over the
+        samples the step drew (under Poisson sampling their number varies; NaN if it drew none)."""
+        totals = torch.stack([out["loss_sum"], out["loss_count"]])  # one all_reduce for both
         if dist.is_initialized():
-            dist.all_reduce(loss_sum, group=self.parallel_dims.dp_group())
+            dist.all_reduce(totals, group=self.parallel_dims.dp_group())
+        loss_sum, loss_count = totals.tolist()
+        loss = loss_sum / loss_count if loss_count else float("nan")
         grad_norm_key = "dp_noised_grad_norm" if self.private is not None and self.private.noised else "grad_norm"
-        metrics = {"loss": loss_sum.item() / self.global_batch, grad_norm_key: out["grad_norm"].item(), "lr": out["lr"]}
+        metrics = {"loss": loss, grad_norm_key: out["grad_norm"].item(), "lr": out["lr"]}
         metrics.update(self.meter.summary())
         if self.private is not None:
             metrics.update(self.private.metrics(self.parallel_dims.dp_group()))
@@ -364,23 +379,35 @@ class Trainer:
         logger.info("training done")
 
     def validate(self) -> dict:
-        """Mean loss over `validation.steps` held-out micro-batches per rank (the same ones each time: the loader
-        restarts from its first state), averaged over the data-parallel ranks, and its perplexity for language
-        models; logged as `validation_loss` (`validation_perplexity`). Weights are the trained ones (not the EMA)."""
-        self.validation_loader.load_state_dict(self.validation_start)
+        """Mean loss over at most `validation.steps` held-out micro-batches per rank, each held-out sample counted
+        once (the pass stops at the end of the split; the same samples each time), over the data-parallel ranks,
+        and its perplexity for language models; logged as `validation_loss` (`validation_perplexity`). Weights are
+        the trained ones (not the EMA)."""
+        from torchtitan.datasets.loader import validation_batches
+
+        dataset, steps = self.validation_loader.dataset, self.job_config.validation.steps
+        batch_size = self.job_config.training.local_batch_size
         totals = torch.zeros(2, device=self.device, dtype=torch.float64)  # loss sum, samples
+        batches = 0
         self.model.eval()
         try:
             with torch.no_grad():
-                for _ in range(self.job_config.validation.steps):
-                    x, y, *_ = next(self.validation_loader)
+                for x, y, weight in validation_batches(dataset, batch_size, self.dp_rank, self.dp_degree,
+                                                       self.job_config.debug.seed, steps):  # fmt: skip
                     losses = self.forward_losses(x.to(self.device), y.to(self.device), self.step, 0)
-                    losses = losses.mean(1) if losses.dim() == 2 else losses
-                    totals += torch.stack([losses.double().sum(), totals.new_tensor(losses.numel())])
+                    losses = losses.mean(1) if losses.dim() == 2 else losses  # (B,): a sequence's mean token loss
+                    weight = weight.to(self.device, torch.float64)  # 0 for the padding past the split's end
+                    totals += torch.stack([(losses.double() * weight).sum(), weight.sum()])
+                    batches += 1
         finally:
             self.model.train()
         if dist.is_initialized():
             dist.all_reduce(totals, group=self.parallel_dims.dp_group())
+        if not self._validation_logged:
+            self._validation_logged = True
+            ended = f"; validation.steps = {steps} reaches past its end" if batches < steps else ""
+            logger.info(f"validation: {batches} batch(es) of {batch_size} per rank, {int(totals[1].item()):,} of "
+                        f"the split's {len(dataset):,} samples, each once{ended}")  # fmt: skip
         loss = (totals[0] / totals[1]).item()
         metrics = {"validation_loss": loss}
         if self.objective.reports_perplexity:

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from torchtitan.components.checkpoint_reader import load_checkpoint, read_checkpoint_metadata
 from torchtitan.components.optimizer import written_by
 from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import rng_state, set_rng_state
@@ -164,7 +165,10 @@ class CheckpointManager:
                  dataloader, rank: int, world_size: int = 1, extra: dict | None = None,
                  foreign: dict[str, str] | None = None):  # fmt: skip
         """`extra`: name -> object with state_dict()/load_state_dict(), the same on every rank (e.g. DP state); one
-        with `optional_in_checkpoint = True` is skipped when a checkpoint lacks it (written before it existed).
+        with `optional_in_checkpoint = True` is skipped when a checkpoint lacks it (written before it existed), and
+        the top-level entries of its state named in `optional_keys` are left out when a checkpoint lacks them.
+        Extras load before the optimizer and the data loader; one whose `keeps_data_position` is False after its
+        load_state_dict (the data changed) makes the loaders restart the saved epoch from its start.
         `foreign`: top-level checkpoint keys this run would drop, each with the refusal to raise
         (ResumeRefusedError) when a full checkpoint holds it."""
         self.config = checkpoint_config
@@ -282,14 +286,29 @@ class CheckpointManager:
 
     # ---- load --------------------------------------------------------------------------------
     def maybe_load(self) -> int:
-        """Restores the newest loadable checkpoint (or checkpoint.load_step); returns the step to resume at.
+        """Restores the newest loadable checkpoint (or checkpoint.load_step); returns the step to resume at. With
+        none to resume (or checkpoint.enable false), the weights of a DCP checkpoint.initial_load_path: starting
+        weights are independent of saving.
 
         Raises:
             CheckpointLoadError: checkpoints exist and none loads (each is named with its reason), or
-                `load_step` names one that does not exist or does not load.
+                `load_step` names one that does not exist or does not load, or initial_load_path does not load.
         """
-        if not self.config.enable:
-            return 0
+        step = self._resume() if self.config.enable else None
+        if step is not None:
+            return step
+        if self.config.initial_load_path and not self.config.initial_load_in_hf:  # HF folders: Trainer.load_hf
+            path = Path(self.config.initial_load_path)
+            if not (path / ".metadata").is_file():
+                raise CheckpointLoadError(f"checkpoint.initial_load_path: {path} is not a complete checkpoint")
+            error = self._try_load(path, model_only=True)
+            if error is not None:
+                raise CheckpointLoadError(f"checkpoint.initial_load_path: {path} could not be loaded ({error})")
+            logger.info(f"initialized model from {path}")
+        return 0
+
+    def _resume(self) -> int | None:
+        """The step of the checkpoint this run resumed from, or None when the run has none of its own."""
         candidates = complete_checkpoints(self.folder)
         if self.config.load_step >= 0:
             chosen = [(s, p) for s, p in candidates if s == self.config.load_step]
@@ -313,15 +332,7 @@ class CheckpointManager:
                 "checkpoints exist but none could be loaded, so the run does not start (it would train from scratch "
                 "and its pruning and saves would remove them):\n  " + "\n  ".join(failures)
             )
-        if self.config.initial_load_path and not self.config.initial_load_in_hf:  # HF folders: Trainer.load_hf
-            path = Path(self.config.initial_load_path)
-            if not (path / ".metadata").is_file():
-                raise CheckpointLoadError(f"checkpoint.initial_load_path: {path} is not a complete checkpoint")
-            error = self._try_load(path, model_only=True)
-            if error is not None:
-                raise CheckpointLoadError(f"checkpoint.initial_load_path: {path} could not be loaded ({error})")
-            logger.info(f"initialized model from {path}")
-        return 0
+        return None
 
     def _try_load(self, path: Path, model_only: bool = False) -> str | None:
         """Loads a checkpoint; returns why it could not be (the same answer on every rank), or None."""
@@ -358,7 +369,7 @@ class CheckpointManager:
         _barrier()
 
     def _load(self, path: Path, model_only: bool) -> None:
-        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+        metadata = read_checkpoint_metadata(path)
         keys = {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
         full = not model_only and "optimizer" in keys  # a model-only checkpoint gives weights, no training state
         if full:
@@ -375,6 +386,9 @@ class CheckpointManager:
                     del state[name]
                     continue
                 raise ValueError(f"checkpoint has no '{name}' state (written by a run without it)")
+            for key in getattr(obj, "optional_keys", ()) if name in state else ():  # entries added since
+                if not any(k.startswith(f"{name}.{key}") for k in metadata.state_dict_metadata):
+                    del state[name][key]
         if full:
             state.pop(f"dataloader_rank{self.rank}")
             state.pop(f"rng_rank{self.rank}")
@@ -386,26 +400,29 @@ class CheckpointManager:
             if rng_key is not None:
                 state[rng_key] = rng_state()
             state["step"] = 0
-        dcp.load(state, checkpoint_id=str(path))
+        load_checkpoint(state, path)
         bad = nonfinite_entries({k: state[k] for k in ("model", "ema", "optimizer") if k in state})
         if bad:
             raise ValueError(f"non-finite values in {bad[:5]}{' ...' if len(bad) > 5 else ''}")
         set_model_state_dict(self.model, state["model"], options=StateDictOptions(strict=True))
         if "ema" in state:
             self.ema.load_state_dict(state["ema"])
+        elif self.ema is not None:  # a checkpoint without EMA (a seed checkpoint): the average starts at its weights
+            self.ema.reset_to_model()
         if not full:
             return
+        for name, obj in self.extra.items():  # first: one may refuse the resume, or void the saved data position
+            if name in state:
+                obj.load_state_dict(state[name])
+        position_holds = all(getattr(obj, "keeps_data_position", True) for obj in self.extra.values())
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        self.dataloader.load_state_dict(state[loader_key], same_layout=same_layout)
+        self.dataloader.load_state_dict(state[loader_key], same_layout=same_layout and position_holds)
         if not same_layout:
             logger.warning(f"checkpoint {path} was written by {len(saved_ranks)} rank(s), this run has "
                            f"{self.world_size}: the data order restarts the epoch in progress")  # fmt: skip
         if rng_key is not None:
             set_rng_state(state[rng_key])
-        for name, obj in self.extra.items():
-            if name in state:
-                obj.load_state_dict(state[name])
 
     # ---- export ------------------------------------------------------------------------------
     def export_ema(self, path: Path, model_args, dtype: torch.dtype) -> None:

@@ -88,7 +88,10 @@ class ThroughputMeter:
 class MetricsLogger:
     """One console line per log step on rank 0; jsonl, TensorBoard and wandb beside it."""
 
-    def __init__(self, job_config, dump_folder: Path, rank: int):
+    def __init__(self, job_config, dump_folder: Path, rank: int, start_step: int | None = None):
+        """`start_step`: the step this run starts from (0, or the step it resumed at). Records of later steps in
+        metrics.jsonl were logged by an earlier run of the folder past its last checkpoint (a killed run) and this
+        run logs those steps again: they are dropped, so each step has one record. None keeps the file as it is."""
         metrics_config = job_config.metrics
         self.enabled = rank == 0 or metrics_config.save_for_all_ranks
         suffix = "" if rank == 0 else f"_rank{rank}"
@@ -99,9 +102,13 @@ class MetricsLogger:
         if not self.enabled:
             return
         dump_folder.mkdir(parents=True, exist_ok=True)
-        self.jsonl = open(dump_folder / f"metrics{suffix}.jsonl", "a")  # noqa: SIM115 (open for the run)
+        path = dump_folder / f"metrics{suffix}.jsonl"
+        if start_step is not None:
+            drop_records_after(path, start_step)
+        self.jsonl = open(path, "a")  # noqa: SIM115 (open for the run)
         if metrics_config.enable_tensorboard:
-            self.tb = self._start("TensorBoard", lambda: _tensorboard_writer(dump_folder, metrics_config, suffix))
+            self.tb = self._start("TensorBoard", lambda: _tensorboard_writer(dump_folder, metrics_config, suffix,
+                                                                             start_step))  # fmt: skip
         if metrics_config.enable_wandb and rank == 0:
             self.wandb = self._start("wandb", lambda: _wandb_run(dump_folder, job_config))
 
@@ -190,10 +197,44 @@ class MetricsLogger:
         self._guarded("wandb", self.wandb.finish if self.wandb is not None else None)
 
 
-def _tensorboard_writer(dump_folder: Path, metrics_config, suffix: str):
+def drop_records_after(path: Path, step: int) -> int:
+    """Removes the records of steps after `step` (and a last line cut short by a kill) from a metrics.jsonl, by an
+    atomic rewrite that is logged; returns how many were dropped. A run starting from step 0 drops nothing: an
+    earlier run's whole file (one without checkpoints, or killed before its first) is moved aside, named in the log."""
+    if not path.is_file():
+        return 0
+    if step == 0:
+        if path.stat().st_size:
+            aside = path.with_name(f"{path.stem}.before-{time.strftime('%Y%m%d-%H%M%S')}{path.suffix}")
+            os.replace(path, aside)
+            logger.info(f"metrics: {path} holds an earlier run's records and this run starts from step 0: moved "
+                        f"them to {aside}")  # fmt: skip
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            keep = json.loads(line)["step"] <= step
+        except (ValueError, KeyError, TypeError):  # not a whole record
+            keep = False
+        if keep:
+            kept.append(line + "\n")
+        else:
+            dropped += 1
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, path)
+        logger.info(f"metrics: dropped {dropped} record(s) after step {step} from {path}: an earlier run of this "
+                    "folder logged them past its last checkpoint, and this run logs those steps again")  # fmt: skip
+    return dropped
+
+
+def _tensorboard_writer(dump_folder: Path, metrics_config, suffix: str, start_step: int | None):
     from torch.utils.tensorboard import SummaryWriter
 
-    return SummaryWriter(str(dump_folder / f"{metrics_config.save_tb_folder}{suffix}"))
+    # purge_step: TensorBoard drops an earlier run's events past the step this run starts from, as metrics.jsonl does.
+    purge_step = start_step + 1 if start_step is not None else None
+    return SummaryWriter(str(dump_folder / f"{metrics_config.save_tb_folder}{suffix}"), purge_step=purge_step)
 
 
 def _wandb_run(dump_folder: Path, job_config):

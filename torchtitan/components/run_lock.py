@@ -16,17 +16,31 @@ from torchtitan.tools.utils import rank0_error
 LOCK_NAME = "run.lock"
 
 
-class RunFolderLockedError(RuntimeError):
+class RunFolderError(RuntimeError):
+    """The run folder cannot be used by this run; the message names it (what the ranks other than 0 raise)."""
+
+
+class RunFolderLockedError(RunFolderError):
     """Another run holds the run folder; the message names it."""
+
+
+class RunFolderNotWritableError(RunFolderError):
+    """The run folder cannot be created or written (read-only, or a file in its path); the message names it."""
 
 
 class RunLock:
     """The held lock of one run folder; `release()` (or process exit) frees it."""
 
     def __init__(self, folder: Path):
-        folder.mkdir(parents=True, exist_ok=True)
         self.path = folder / LOCK_NAME
-        self._file = open(self.path, "a+")  # noqa: SIM115 (held open for the life of the run)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a+")  # noqa: SIM115 (held open for the life of the run)
+        except OSError as e:  # the run's first write: OSError's own text names no config key
+            raise RunFolderNotWritableError(
+                f"job.dump_folder {folder} is not writable ({e.strerror or e}: {e.filename or self.path}); a run "
+                "writes its metrics and checkpoints there: give it a writable --job.dump_folder"
+            ) from None
         try:
             fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -49,14 +63,15 @@ class RunLock:
 
 
 def acquire_run_lock(folder: Path, rank: int) -> RunLock | None:
-    """Rank 0 takes the folder's lock; every rank raises RunFolderLockedError if it is held elsewhere."""
-    lock, error = None, ""
+    """Rank 0 takes the folder's lock; it raises RunFolderLockedError if the lock is held elsewhere, or
+    RunFolderNotWritableError if it cannot write there, and every other rank a RunFolderError of the same message."""
+    lock, refusal = None, None
     if rank == 0:
         try:
             lock = RunLock(folder)
-        except RunFolderLockedError as e:
-            error = str(e)
-    error = rank0_error(error)
+        except RunFolderError as e:
+            refusal = e
+    error = rank0_error(str(refusal) if refusal else "")
     if error:
-        raise RunFolderLockedError(error)
+        raise refusal if refusal is not None else RunFolderError(error)
     return lock

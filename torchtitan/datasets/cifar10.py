@@ -1,6 +1,5 @@
 """CIFAR-10 from the standard python-pickle batches in a local folder (no download)."""
 
-import pickle
 from pathlib import Path
 from typing import BinaryIO
 
@@ -8,51 +7,25 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from torchtitan.tools import safe_pickle
+
 TRAIN_BATCHES = [f"data_batch_{i}" for i in range(1, 6)]
 
-# The only globals a CIFAR-10 python batch names: a dict of bytes keys holding lists, bytes and a uint8
-# array, which numpy rebuilds with _reconstruct(ndarray, ...) and a dtype. numpy 2 spells numpy.core as
-# numpy._core, and its protocol-5 pickles (Python 3.14's default) rebuild arrays with _frombuffer instead.
-CIFAR10_PICKLE_GLOBALS = frozenset(
-    {
-        ("numpy.core.multiarray", "_reconstruct"),
-        ("numpy._core.multiarray", "_reconstruct"),
-        ("numpy.core.numeric", "_frombuffer"),
-        ("numpy._core.numeric", "_frombuffer"),
-        ("numpy", "ndarray"),
-        ("numpy", "dtype"),
-    }
-)
-
-
-class CIFAR10Unpickler(pickle.Unpickler):
-    """An unpickler that admits only CIFAR10_PICKLE_GLOBALS.
-
-    A plain pickle.load calls whatever a file names (os.system, builtins.eval): a crafted "batch" would run
-    code. Every callable a pickle can invoke comes through find_class, so refusing there refuses them all.
-    """
-
-    def __init__(self, file: BinaryIO, source: str | Path):
-        super().__init__(file, encoding="bytes")  # the batches were written by Python 2: str is bytes
-        self.source = source
-
-    def find_class(self, module: str, name: str):
-        if (module, name) not in CIFAR10_PICKLE_GLOBALS:
-            raise pickle.UnpicklingError(
-                f"{self.source}: refused the global {module}.{name}: a CIFAR-10 python batch holds only dicts, "
-                "lists, bytes and numpy arrays, and loading other globals can run code"
-            )
-        return super().find_class(module, name)
+# A CIFAR-10 python batch is a dict of bytes keys holding lists, bytes and a uint8 array: numpy's array
+# rebuilders are the only globals it names.
+CIFAR10_PICKLE_GLOBALS = safe_pickle.NUMPY_ARRAY_GLOBALS
 
 
 def load_cifar10_pickle(file: BinaryIO) -> dict:
     """Reads a CIFAR-10 python pickle (a data batch or batches.meta) from an open binary file, safely.
 
     Raises:
-        pickle.UnpicklingError: the file names a global other than numpy's array rebuilders; the message
-            names the file and the global.
+        UnsafePickleError: the file names a global other than numpy's array rebuilders (which could run code); the
+            message names the file and the global.
     """
-    return CIFAR10Unpickler(file, getattr(file, "name", "<stream>")).load()
+    source = str(getattr(file, "name", "<stream>"))
+    # encoding="bytes": the batches were written by Python 2, whose str is bytes.
+    return safe_pickle.load(file, CIFAR10_PICKLE_GLOBALS, source, "a CIFAR-10 python batch", encoding="bytes")
 
 
 def find_cifar10_folder(root: str) -> Path:

@@ -15,6 +15,21 @@ IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".JPEG")
 UNREADABLE_IMAGE_ERRORS = (OSError, SyntaxError)
 
 
+class UnreadableImageError(OSError):
+    """An image of the folder cannot be read or decoded; the message names the file (train.py prints it as one
+    `error:` line, not a traceback).
+
+    A loader worker's exception reaches the main process rebuilt from one string, "Caught ... Original
+    Traceback ...", holding the worker's traceback: the message is cut back to this error's own text.
+    """
+
+    def __init__(self, message: str):
+        marker = f"{type(self).__module__}.{type(self).__qualname__}: "
+        if message.startswith("Caught ") and marker in message:  # re-raised from a loader worker
+            message = message.rsplit(marker, 1)[1].strip()
+        super().__init__(message)
+
+
 def center_crop_arr(image: Image.Image, image_size: int) -> Image.Image:
     """ADM's center crop: halve with BOX while large, resize with BICUBIC, then crop the center."""
     while min(*image.size) >= 2 * image_size:
@@ -29,6 +44,9 @@ def center_crop_arr(image: Image.Image, image_size: int) -> Image.Image:
 def list_image_folder(root: str) -> tuple[list[tuple[Path, int]], list[str]]:
     """(path, class index) pairs and the sorted class names; raises naming the path if none."""
     path = Path(root)
+    if path.is_file():
+        raise ValueError(f"training.dataset_path: {root} is a file, not an image folder (a folder of class "
+                         "subfolders of images)")  # fmt: skip
     if not path.is_dir():
         raise FileNotFoundError(f"training.dataset_path: image folder {root} does not exist")
     classes = sorted(p.name for p in path.iterdir() if p.is_dir())
@@ -52,7 +70,7 @@ class ImageFolderDataset(Dataset):
         random_flip: flip horizontally with probability 1/2.
         skip_unreadable_images: an image that cannot be decoded is logged by name and replaced by the next
             readable one (the next index, wrapping), with its label; `skipped` holds the skipped files.
-            Without it, reading such an image raises an OSError naming the file.
+            Without it, reading such an image raises an `UnreadableImageError` naming the file.
 
     With loader workers each worker holds its own copy of the dataset: its warnings carry that worker's count,
     and `skipped` of the main process's copy sees only what the main process read.
@@ -79,13 +97,13 @@ class ImageFolderDataset(Dataset):
         """The center-cropped image (3, H, W) in [-1, 1], not flipped.
 
         Raises:
-            OSError: the file cannot be read or decoded (truncated, corrupt); the message names it.
+            UnreadableImageError: the file cannot be read or decoded (truncated, corrupt); the message names it.
         """
         path = self.samples[index][0]
         try:
             return self._read(path)
         except UNREADABLE_IMAGE_ERRORS as err:
-            raise OSError(
+            raise UnreadableImageError(
                 f"training.dataset_path: image {path} cannot be read ({type(err).__name__}: {err}); "
                 "training.dataloader.skip_unreadable_images = true replaces such files by the next readable one"
             ) from err
@@ -105,7 +123,8 @@ class ImageFolderDataset(Dataset):
                     f"training.dataset_path: skipping unreadable image {path} ({type(err).__name__}: {err}); "
                     f"the next readable image takes its place; {len(self.skipped)} unreadable image(s) skipped so far"
                 )
-        raise OSError(f"training.dataset_path: none of the {len(self.samples)} images under {self.root} can be read")
+        raise UnreadableImageError(f"training.dataset_path: none of the {len(self.samples)} images under {self.root} "
+                                   "can be read")  # fmt: skip
 
     def __getitem__(self, index: int):
         if self.skip_unreadable_images:

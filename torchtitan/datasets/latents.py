@@ -11,8 +11,10 @@ A prepared folder holds `meta.json` (tokenizer, sizes, classes and the latent no
 
 and in its safetensors metadata the tokenizer's kind, name, latent channels and downsample factor, the
 image size and its shard index. Shards are raw latents: the dataset applies the normalization of
-`meta.json` on access, and the decoder undoes it (`LatentNormalization`). Training and sampling refuse a
-`[latent]` tokenizer other than the one meta.json names (`check_tokenizer_matches`).
+`meta.json` on access, and the decoder undoes it (`LatentNormalization`). meta.json also records the sha256 of
+the tokenizer's decoder files (`decoder_sha256`), so training, sampling and `cosmos_latent_decoder.py` refuse a
+`[latent]` tokenizer other than the one that encoded the latents, whatever its folder is called
+(`check_tokenizer_matches`; `latent.allow_tokenizer_mismatch` overrides it).
 
 The flipped copy is picked at random on each access rather than counted as an extra example: an epoch is
 one pass over the images, and an image and its mirror are never two "different" examples (which would
@@ -23,12 +25,16 @@ is hot, and an ImageNet-sized folder needs no RAM of its own. Only the labels ar
 """
 
 import bisect
+import functools
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset
+
+from torchtitan.tools.logging import logger
 
 META_FILE = "meta.json"
 SHARD_GLOB = "shard-*.safetensors"
@@ -122,44 +128,99 @@ def describe_tokenizer(key: tuple) -> str:
     return f"{kind}:{name} ({channels} channels, downsample {downsample})"
 
 
+def decoder_files(kind: str, checkpoint_dir: str | Path) -> list[Path]:
+    """The files a tokenizer folder decodes with: `decoder.jit` (cosmos_jit), or `config.json` and the
+    `diffusion_pytorch_model*` weights (diffusers, whose one weights file holds both halves); only those present."""
+    folder = Path(checkpoint_dir)
+    if kind == "cosmos_jit":
+        files = [folder / "decoder.jit"]
+    else:
+        files = [folder / "config.json", *sorted(folder.glob("diffusion_pytorch_model*"))]
+    return [f for f in files if f.is_file()]
+
+
+def decoder_sha256(kind: str, checkpoint_dir: str | Path) -> str | None:
+    """sha256 over the contents of `decoder_files`, in order: the same weights in any folder give the same hash.
+
+    None when the folder holds no decoder file (an encoder-only folder, or none at all).
+    """
+    files = decoder_files(kind, checkpoint_dir)
+    if not [f for f in files if f.name != "config.json"]:  # a diffusers config.json alone decodes nothing
+        return None
+    stamps = tuple((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    return _sha256_of(stamps)
+
+
+@functools.lru_cache(maxsize=8)
+def _sha256_of(stamps: tuple[tuple[str, int, int], ...]) -> str:
+    # Keyed by size and mtime too: a training run checks once at the start and again when it first decodes, and a
+    # Cosmos decoder is hundreds of MB; a file rewritten in place is read again.
+    digest = hashlib.sha256()
+    for path, _, _ in stamps:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
 def check_tokenizer_matches(meta: dict, latent_config, tokenizer=None, source: str | Path = "") -> None:
     """Refuses a `[latent]` tokenizer other than the one the prepared latents were encoded with.
 
-    Without this a CI16x16 folder given for CI8x8 latents trains and samples silently, and decodes every
-    latent cell to 16 px instead of 8. Compared: `latent.tokenizer` with the stored kind, the folder name of
-    `latent.checkpoint_dir` with the stored name and, once a tokenizer is loaded, its channels and downsample.
+    Without this a CI16x16 folder given for CI8x8 latents trains and samples silently, and decodes every latent
+    cell to 16 px instead of 8. Compared: `latent.tokenizer` with the stored kind; the sha256 of the decoder files
+    of `latent.checkpoint_dir` with the one meta.json records (so the same weights in a folder of another name
+    match), when that folder holds them; and, once a tokenizer is loaded, its channels and downsample. A meta.json
+    written before hashes were recorded is checked by kind, channels and downsample alone, and a warning says so.
 
     Args:
         meta: the prepared folder's meta.json (`read_meta`).
-        latent_config: the `[latent]` section (or anything with `tokenizer` and `checkpoint_dir`).
+        latent_config: the `[latent]` section (or anything with `tokenizer` and `checkpoint_dir`); its
+            `allow_tokenizer_mismatch`, when true, turns a refusal into a warning.
         tokenizer: the loaded tokenizer (`latent_channels`, `downsample`), or None before one is loaded.
         source: the prepared folder, named in the message.
 
     Raises:
-        ValueError: naming each key that disagrees with both of its values.
+        ValueError: naming meta.json, the tokenizer folder and each value that disagrees with both sides.
     """
     stored = meta["tokenizer"]
     kind, checkpoint_dir = latent_config.tokenizer, str(latent_config.checkpoint_dir)
-    # diffusers tokenizers are named "<class>:<folder>"; a cosmos_jit one by its folder alone.
-    stored_folder = stored["name"].partition(":")[2] if stored["kind"] == "diffusers" else stored["name"]
-    folder = Path(checkpoint_dir)
-    folder_names = {folder.name, folder.resolve().name} if checkpoint_dir else {""}  # the stored name is resolved
+    where = Path(source) / META_FILE if source else Path(META_FILE)
+    recorded = stored.get("decoder_sha256")
     problems = []
     if kind != stored["kind"]:
         problems.append(f"latent.tokenizer = {kind!r} but the latents' tokenizer kind is {stored['kind']!r}")
-    if stored_folder not in folder_names:
-        problems.append(f"latent.checkpoint_dir = {checkpoint_dir!r} is folder {folder.name!r} but the latents "
-                        f"were encoded by folder {stored_folder!r}")  # fmt: skip
+    elif recorded and checkpoint_dir:
+        found = decoder_sha256(kind, checkpoint_dir)
+        if found is not None and found != recorded:  # None: no decoder file there, and nothing decodes yet
+            files = ", ".join(f.name for f in decoder_files(kind, checkpoint_dir))
+            problems.append(f"latent.checkpoint_dir = {checkpoint_dir!r}: its decoder ({files}) has sha256 "
+                            f"{found[:16]}... but the latents' tokenizer {recorded[:16]}...")  # fmt: skip
     if tokenizer is not None:
         for key, value in (("latent_channels", tokenizer.latent_channels), ("downsample", tokenizer.downsample)):
             if int(value) != int(stored[key]):
-                problems.append(f"{key}: the tokenizer has {value} but the latents {stored[key]}")
-    if problems:
-        where = Path(source) / META_FILE if source else META_FILE
-        raise ValueError(f"{where}: the [latent] tokenizer is not the one these latents were encoded with "
-                         f"({describe_tokenizer(tuple(stored[k] for k in TOKENIZER_META_KEYS))}): "
-                         f"{'; '.join(problems)}. Point latent.tokenizer and latent.checkpoint_dir at that "
-                         "tokenizer, or prepare the data again with this one")  # fmt: skip
+                problems.append(f"{key}: the tokenizer in {checkpoint_dir!r} has {value} but the latents {stored[key]}")
+    if not problems:
+        if tokenizer is not None and not recorded:
+            _warn_unhashed(where, checkpoint_dir)
+        return
+    unhashed = "" if recorded else " (it records no decoder hash: kind, channels and downsample were compared)"
+    message = (f"{where}: the [latent] tokenizer is not the one these latents were encoded with "
+               f"({describe_tokenizer(tuple(stored[k] for k in TOKENIZER_META_KEYS))}): {'; '.join(problems)}"
+               f"{unhashed}. Point latent.tokenizer and latent.checkpoint_dir at that tokenizer, prepare the data "
+               "again with this one, or set latent.allow_tokenizer_mismatch (--allow-tokenizer-mismatch in sample.py "
+               "and cosmos_latent_decoder.py) to decode with it anyway")  # fmt: skip
+    if getattr(latent_config, "allow_tokenizer_mismatch", False):
+        logger.warning(f"{message} (allowed: latent.allow_tokenizer_mismatch)")
+        return
+    raise ValueError(message)
+
+
+@functools.lru_cache(maxsize=8)
+def _warn_unhashed(where: Path, checkpoint_dir: str) -> None:
+    # Once per pair: a training run checks at its start and again when it first decodes.
+    logger.warning(f"{where} records no decoder hash (prepared before TorchDiTan recorded one, or without the "
+                   f"decoder file): the tokenizer {checkpoint_dir!r} was checked by kind, latent channels and "
+                   "downsample only; other weights of the same shape would decode wrongly")  # fmt: skip
 
 
 def combine_moments(parts: list[tuple[float, torch.Tensor, torch.Tensor]]) -> tuple[float, torch.Tensor, torch.Tensor]:

@@ -1,8 +1,10 @@
 """Distributed, stateful, endless data loading: a resumed run continues with the very next batch."""
 
 import torch
-from torch.utils.data import Dataset, DistributedSampler
+from torch.utils.data import Dataset, DistributedSampler, default_collate
 from torchdata.stateful_dataloader import StatefulDataLoader
+
+from torchtitan.tools.logging import logger
 
 
 class DiffusionDataLoader:
@@ -35,6 +37,7 @@ class DiffusionDataLoader:
         )
         self.epoch = 0
         self._iterator = None
+        self._start = self.loader.state_dict()  # the position at the start of an epoch
 
     def __iter__(self):
         return self
@@ -54,13 +57,47 @@ class DiffusionDataLoader:
         return {"epoch": self.epoch, "loader": self.loader.state_dict()}
 
     def load_state_dict(self, state: dict, same_layout: bool = True) -> None:
-        """Resumes at the saved position; `same_layout` False (saved by another number of ranks, whose position
-        inside an epoch means other samples here) resumes at the start of the saved epoch."""
+        """Resumes at the saved position; `same_layout` False (saved by another number of ranks, or from other data,
+        where a position inside an epoch means other samples) resumes at the start of the saved epoch, as does a
+        saved position past the end of this epoch (a smaller dataset), with a warning."""
         self.epoch = state["epoch"]
         self.sampler.set_epoch(self.epoch)
-        if same_layout:
-            self.loader.load_state_dict(state["loader"])
         self._iterator = None
+        if not same_layout:
+            return
+        self.loader.load_state_dict(state["loader"])
+        try:
+            self._iterator = iter(self.loader)  # replays the saved position now, where running out can be named
+        except StopIteration:  # the sampler ran out while skipping the batches already seen
+            logger.warning(f"the saved data position lies past the end of epoch {self.epoch} of this dataset "
+                           f"({len(self.dataset):,} samples, {len(self.loader):,} batches per rank): the dataset is "
+                           "smaller than the one that saved it; the epoch restarts from its start")  # fmt: skip
+            self.loader.load_state_dict(self._start)
+
+
+def validation_batches(dataset: Dataset, batch_size: int, dp_rank: int, dp_world: int, seed: int,
+                       max_batches: int):  # fmt: skip
+    """This rank's batches of a held-out split, each item of the split at most once over all ranks.
+
+    The items are taken in one fixed shuffled order (seeded by `seed`, so a capped pass is a random subset, the
+    same at every validation), dealt to the ranks in turn; every rank gets as many batches (a collective model
+    under FSDP needs every rank's forward), at most `max_batches`, and the split ends the pass rather than wrap
+    around. Rows past the end of the split repeat an item with weight 0, so shapes stay static.
+
+    Yields:
+        (inputs, labels, weight): a collated batch of `batch_size` rows and a float32 (batch_size,) weight,
+        1 for an item of the split and 0 for padding.
+    """
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))
+    mine = order[dp_rank::dp_world].tolist()
+    per_rank = -(-len(dataset) // dp_world)  # the largest share: ranks differ by at most one item
+    for start in range(0, min(max_batches * batch_size, per_rank), batch_size):
+        indices = mine[start : start + batch_size]
+        weight = torch.zeros(batch_size)
+        weight[: len(indices)] = 1.0
+        indices += [order[0].item()] * (batch_size - len(indices))
+        inputs, labels = default_collate([dataset[i] for i in indices])
+        yield inputs, labels, weight
 
 
 class PoissonDataLoader:

@@ -30,6 +30,7 @@ from torchtitan.datasets.latents import (
     META_FILE,
     LatentNormalization,
     combine_moments,
+    decoder_sha256,
     describe_tokenizer,
     moments_std,
     shard_name,
@@ -149,8 +150,11 @@ def prepare_latents(source: Dataset, out: str | Path, tokenizer, *, image_size: 
                     classes: list[str] | None = None, shard_size: int = 4096, batch_size: int = 64,
                     num_workers: int = 0, flip: bool = True, normalization: str = "channel",
                     scale_factor: float = 0.18215, dtype: str = "float16", max_shards: int = 0, rank: int = 0,
-                    world_size: int = 1, description: str = "") -> bool:  # fmt: skip
+                    world_size: int = 1, description: str = "", checkpoint_dir: str | Path = "") -> bool:  # fmt: skip
     """Encodes `source` ((image (3, H, W) in [-1, 1], label) pairs, unflipped) into shards under `out`.
+
+    `checkpoint_dir` is the tokenizer's folder: meta.json records the sha256 of its decoder files, which every
+    later decoding checks (`check_tokenizer_matches`); without it (or without a decoder file there) none is recorded.
 
     Returns:
         True when the folder is complete (meta.json written), False when shards are still missing
@@ -192,6 +196,7 @@ def prepare_latents(source: Dataset, out: str | Path, tokenizer, *, image_size: 
         if complete:
             meta = build_meta(out, num_shards, tokenizer, image_size, num_classes, classes, flip, dtype,
                               normalization, scale_factor, description)  # fmt: skip
+            meta["tokenizer"]["decoder_sha256"] = _recorded_decoder_hash(tokenizer, checkpoint_dir)
             tmp = out / (META_FILE + ".tmp")
             tmp.write_text(json.dumps(meta, indent=1))
             os.replace(tmp, out / META_FILE)
@@ -240,6 +245,15 @@ def build_meta(out: Path, num_shards: int, tokenizer, image_size: int, num_class
         # mean/std are always the measured per-channel statistics; mode says which map the dataset applies.
         "normalization": norm.to_dict(),
     }
+
+
+def _recorded_decoder_hash(tokenizer, checkpoint_dir: str | Path) -> str | None:
+    """The hash meta.json records for the tokenizer's decoder files; None, said in a warning, when they are absent."""
+    found = decoder_sha256(tokenizer.kind, checkpoint_dir) if checkpoint_dir else None
+    if found is None:
+        logger.warning(f"no decoder file in the tokenizer folder {str(checkpoint_dir)!r}: meta.json records no "
+                       "decoder hash; decoding is checked by kind, channels and downsample alone")  # fmt: skip
+    return found
 
 
 def check_prepare_args(args: argparse.Namespace) -> None:
@@ -293,7 +307,7 @@ def run_prepare(args: argparse.Namespace, source: Dataset, image_size: int, num_
                         classes=classes, shard_size=args.shard_size, batch_size=args.batch_size,
                         num_workers=args.num_workers, flip=not args.no_flip, normalization=args.normalization,
                         scale_factor=args.scale_factor, dtype=args.dtype, max_shards=args.max_shards, rank=rank,
-                        world_size=world, description=description)  # fmt: skip
+                        world_size=world, description=description, checkpoint_dir=args.checkpoint_dir)  # fmt: skip
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -54,7 +54,7 @@ VALIDATION_EVERY = 20
 SPLITS = ("train", "validation")
 TEXT_SUFFIXES = (".txt", ".jsonl")
 _STDLIB_EXCLUDED_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
-_CACHE_FORMAT = 1  # bump when packing changes, so caches on disk are not reused
+_CACHE_FORMAT = 2  # bump when packing changes, so caches on disk are not reused (2: special-token text is text)
 
 # Packed token streams of this process, keyed by source + tokenizer + split: a second build (the validation
 # loader, a test) costs nothing. Entries are never written to.
@@ -84,13 +84,16 @@ class TextPackedDataset(Dataset):
         seq_len: tokens per training sequence; each window holds seq_len + 1 tokens.
         vocab_size: the tokenizer's vocabulary size (checked against the tokens); None: largest id + 1.
         description: what the tokens are, for `describe()`.
+        tokenizer_identity: the tokenizer's `identity()`, kept as `tokenizer_identity` for the checkpoints' data
+            record (None: unknown).
 
     Raises:
         ValueError: the stream is not 1-D, seq_len < 1, an id is outside the vocabulary, or the stream is shorter
             than one window.
     """
 
-    def __init__(self, tokens, seq_len: int, vocab_size: int | None = None, description: str = "packed text"):
+    def __init__(self, tokens, seq_len: int, vocab_size: int | None = None, description: str = "packed text",
+                 tokenizer_identity: dict | None = None):  # fmt: skip
         tokens = torch.as_tensor(tokens)
         if tokens.ndim != 1 or tokens.is_floating_point():
             raise ValueError(f"tokens must be a 1-D integer stream, got shape {tuple(tokens.shape)} {tokens.dtype}")
@@ -109,6 +112,7 @@ class TextPackedDataset(Dataset):
         self.num_tokens = tokens.numel()
         self.vocab_size = vocab_size if vocab_size is not None else largest + 1
         self.description = description
+        self.tokenizer_identity = tokenizer_identity
         self.windows = tokens[: self.num_windows * window].view(self.num_windows, window)  # a view: no copy
 
     def __len__(self) -> int:
@@ -410,4 +414,4 @@ def build_text_dataset(
             f"{where}: the {split} split has {tokens.numel():,} tokens, fewer than one window of "
             f"training.seq_len + 1 = {seq_len + 1}; lower training.seq_len or add text"
         )
-    return TextPackedDataset(tokens, seq_len, tokenizer.vocab_size, description)
+    return TextPackedDataset(tokens, seq_len, tokenizer.vocab_size, description, tokenizer.identity())

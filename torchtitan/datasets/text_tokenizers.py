@@ -1,8 +1,9 @@
 """Text tokenizers for the language models: UTF-8 bytes, a Hugging Face `tokenizer.json`, Llama 3's `tokenizer.model`.
 
 All three share one small interface (`TextTokenizer`): `encode(text) -> list[int]` with no special tokens added
-(packing adds BOS/EOS itself), `decode(ids) -> str` that drops special tokens, and `vocab_size`, `bos_id`,
-`eos_id`. Nothing here touches the network: the files are read from a local path.
+and none read out of the text (a literal "<|end_of_text|>" is ordinary text; packing adds BOS/EOS itself),
+`decode(ids) -> str` that drops special tokens, and `vocab_size`, `bos_id`, `eos_id`. Nothing here touches the
+network: the files are read from a local path.
 
 This module is the *text* tokenizer; `torchtitan/datasets/tokenizers.py` loads the Cosmos *image* tokenizer.
 """
@@ -44,6 +45,11 @@ class TextTokenizer:
         """`encode` over many texts; subclasses backed by Rust override it to use several threads."""
         return [self.encode(text) for text in texts]
 
+    def identity(self) -> dict:
+        """What makes its token ids mean what they mean, in plain values (checkpoints record it)."""
+        return {"tokenizer": self.name, "tokenizer_fingerprint": self.fingerprint, "vocab_size": self.vocab_size,
+                "bos_id": self.bos_id, "eos_id": self.eos_id}  # fmt: skip
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, vocab_size={self.vocab_size})"
 
@@ -82,9 +88,15 @@ class HFTokenizer(TextTokenizer):
         bos_token: the BOS token's text; None looks for a usual one (<|begin_of_text|>, <s>, [BOS], ...).
         eos_token: the EOS token's text; None looks for a usual one (<|end_of_text|>, </s>, [EOS], ...).
 
+    Text is never parsed for special tokens: a document holding the literal text of one (say `<|end_of_text|>`)
+    is encoded as the ordinary tokens of that text, as tiktoken's `encode_ordinary` does, so only packing puts
+    BOS/EOS ids in the stream. The BOS/EOS tokens are made special for this when the file lists them as plain
+    added tokens; other plain added tokens are vocabulary and stay parsed.
+
     Raises:
         ImportError: the `tokenizers` package is not installed.
-        ValueError: an explicitly named BOS/EOS token is not in the file.
+        ValueError: the file is not a readable tokenizer.json (truncated, not JSON, not a tokenizer; the message
+            names it), or an explicitly named BOS/EOS token is not in the file.
     """
 
     def __init__(self, path: str | Path, bos_token: str | None = None, eos_token: str | None = None):
@@ -95,10 +107,25 @@ class HFTokenizer(TextTokenizer):
         path = Path(path)
         self.name = str(path)
         self.fingerprint = _file_fingerprint(path)
-        self._tokenizer = Tokenizer.from_file(str(path))
+        try:
+            self._tokenizer = Tokenizer.from_file(str(path))
+        except Exception as error:  # the Rust parser raises a bare Exception ("expected ident at line 1 ...")
+            raise ValueError(f"{path}: not a readable Hugging Face tokenizer.json ({error})") from error
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
         self.bos_id = self._special_id(bos_token, _BOS_CANDIDATES, "bos_token")
         self.eos_id = self._special_id(eos_token, _EOS_CANDIDATES, "eos_token")
+        self._encode_specials_as_text()
+
+    def _encode_specials_as_text(self) -> None:
+        """Special tokens in a text become its ordinary tokens; BOS/EOS listed as plain added tokens become special
+        first (a plain added token is matched in text whatever `encode_special_tokens` says)."""
+        from tokenizers import AddedToken
+
+        added = self._tokenizer.get_added_tokens_decoder()  # id -> AddedToken
+        plain = [added[i].content for i in (self.bos_id, self.eos_id) if i in added and not added[i].special]
+        if plain:  # the ids stay the same: the tokens are already in the vocabulary
+            self._tokenizer.add_special_tokens([AddedToken(text, special=True, normalized=False) for text in plain])
+        self._tokenizer.encode_special_tokens = True
 
     def _special_id(self, token: str | None, candidates: tuple[str, ...], argument: str) -> int | None:
         if token is not None:
@@ -236,7 +263,8 @@ def build_text_tokenizer(name_or_path: str, key: str = "tokenizer") -> TextToken
 
     Raises:
         FileNotFoundError: the path does not exist, or a folder holds neither file.
-        ValueError: the value is none of the accepted forms.
+        ValueError: the value is none of the accepted forms, or the file is broken (truncated, not a tokenizer; the
+            message names the key and the file).
     """
     if name_or_path == "bytes":
         return ByteTokenizer()
@@ -249,8 +277,9 @@ def build_text_tokenizer(name_or_path: str, key: str = "tokenizer") -> TextToken
             if (path / file_name).is_file():
                 return build_text_tokenizer(str(path / file_name), key)
         raise FileNotFoundError(f"{key} = {name_or_path!r}: the folder holds no tokenizer.json or tokenizer.model")
-    if path.name == "tokenizer.json":
-        return HFTokenizer(path)
-    if path.name == "tokenizer.model":
-        return TiktokenTokenizer(path)
+    if path.name in ("tokenizer.json", "tokenizer.model"):
+        try:
+            return HFTokenizer(path) if path.name == "tokenizer.json" else TiktokenTokenizer(path)
+        except ValueError as error:  # a broken file: its message names it
+            raise ValueError(f"{key}: {error}") from error
     raise ValueError(f"{key} = {name_or_path!r} is not a known tokenizer (accepted: {accepted})")

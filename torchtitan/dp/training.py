@@ -1,10 +1,15 @@
-"""The trainer's side of DP-SGD: the `[dp]` config -> engine, accountant, and their checkpointed state; the
-per-sample gradient norm statistics the logs show (what `dp.max_grad_norm` is tuned by)."""
+"""The trainer's side of DP-SGD: the `[dp]` config -> engine, accountant, and their checkpointed state (with the
+noise multiplier of a resumed run, which keeps it within dp.target_epsilon); the per-sample gradient norm statistics
+the logs show (what `dp.max_grad_norm` is tuned by); a DP checkpoint resumed without privacy."""
+
+import contextlib
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchtitan.components.checkpoint import ResumeRefusedError
+from torchtitan.components.checkpoint_reader import read_checkpoint_metadata
 from torchtitan.tools.logging import logger
 
 
@@ -33,6 +38,11 @@ class PrivateTraining:
                                                total_steps, dp_config.accountant)  # fmt: skip
             logger.info(f"dp: noise_multiplier {sigma:.4f} reaches epsilon {dp_config.target_epsilon} at delta "
                         f"{dp_config.delta} after {total_steps} steps")  # fmt: skip
+        # What sigma is and what it was calibrated for, checkpointed: a resume reuses it, or recalibrates the rest.
+        self.calibration = {"noise_multiplier": float(sigma), "target_epsilon": float(dp_config.target_epsilon),
+                            "delta": float(dp_config.delta), "total_steps": int(total_steps),
+                            "sample_rate": float(self.sample_rate), "accountant": dp_config.accountant,
+                            "configured_noise_multiplier": float(dp_config.noise_multiplier)}  # fmt: skip
         self.engine = DPEngine(model, dp_config.mode, dp_config.max_grad_norm, sigma, global_batch_size=global_batch,
                                dp_mesh=mesh, seed=seed)  # fmt: skip
         self.accountant = PrivacyAccountant(self.sample_rate, sigma, dp_config.accountant, dp_config.sampling)
@@ -78,12 +88,94 @@ class PrivateTraining:
             out.update(norm_statistics(gather_kept(norms, kept, group), self.config.max_grad_norm))
         return out
 
+    @property
+    def noise_multiplier(self) -> float:
+        """Sigma of the steps to come (the engine's noise and the accountant's record use the same)."""
+        return self.engine.noise_multiplier
+
+    optional_keys = ("calibration",)  # checkpoints written before it was recorded resume too
+
     def state_dict(self) -> dict:
-        return {"engine": self.engine.state_dict(), "accountant": self.accountant.state_dict()}
+        return {"engine": self.engine.state_dict(), "accountant": self.accountant.state_dict(),
+                "calibration": dict(self.calibration)}  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
+        """Restores the noise state and the accountant's history, then the noise multiplier of the steps to come:
+        the recorded one when what it was calibrated for did not change (a resume is then exact), else one
+        calibrated for the remaining steps over the recorded history (resume_noise_multiplier).
+
+        Raises:
+            ResumeRefusedError: the checkpoint used another accountant, or the privacy budget cannot be kept.
+        """
+        if state["accountant"]["accountant"] != self.config.accountant:
+            raise ResumeRefusedError(f"dp.accountant: the checkpoint's privacy was accounted with "
+                                     f"{state['accountant']['accountant']!r}, this run has "
+                                     f"{self.config.accountant!r}")  # fmt: skip
         self.engine.load_state_dict(state["engine"])
         self.accountant.load_state_dict(state["accountant"])
+        if self.config.target_epsilon > 0:  # a fixed dp.noise_multiplier is used as configured
+            self._set_noise_multiplier(resume_noise_multiplier(state.get("calibration"), self.calibration,
+                                                               self.accountant))  # fmt: skip
+
+    def _set_noise_multiplier(self, sigma: float) -> None:
+        self.calibration["noise_multiplier"] = self.engine.noise_multiplier = float(sigma)
+        self.accountant.noise_multiplier = float(sigma)
+
+
+# What a calibrated sigma depends on, and the config key that sets each (for the logs and refusals).
+CALIBRATED_FOR = {"target_epsilon": "dp.target_epsilon", "delta": "dp.delta", "total_steps": "training.steps",
+                  "sample_rate": "sample rate (global batch / dataset size)"}  # fmt: skip
+
+
+def resume_noise_multiplier(saved: dict | None, current: dict, accountant) -> float:
+    """The noise multiplier for the rest of a resumed run calibrated to dp.target_epsilon.
+
+    Args:
+        saved: the checkpoint's calibration record (PrivateTraining.calibration when it was written), or None for
+            a checkpoint written before it was kept (recalibrated, as for a changed config).
+        current: this run's record, sigma calibrated for the whole run from scratch.
+        accountant: the PrivacyAccountant, its history restored.
+
+    Returns:
+        The recorded sigma when the record's target, delta, steps and sample rate equal this run's; otherwise a
+        sigma for the remaining steps with which the whole run (history included) ends within 0.01 below the target
+        (calibrate_remaining_noise_multiplier); the recorded one if no step remains.
+
+    Raises:
+        ResumeRefusedError: the steps done already spend the target, or no finite sigma reaches it.
+    """
+    from torchtitan.dp.accountant import calibrate_remaining_noise_multiplier
+
+    if saved is None:  # written before the record was kept: its last sigma, and the rest recalibrated
+        last = accountant.history[-1][0] if accountant.history else current["noise_multiplier"]
+        saved, changes = {**current, "noise_multiplier": last}, ["the checkpoint records no calibration"]
+    else:
+        changes = [f"{name} {saved[key]:g} -> {current[key]:g}" for key, name in CALIBRATED_FOR.items()
+                   if saved[key] != current[key]]  # fmt: skip
+    if not changes:
+        logger.info(f"dp: resumed with the recorded noise_multiplier {saved['noise_multiplier']:.4f} (calibrated for "
+                    f"epsilon {saved['target_epsilon']:g} after {saved['total_steps']} steps)")  # fmt: skip
+        return saved["noise_multiplier"]
+    target, delta, steps = current["target_epsilon"], current["delta"], current["total_steps"]
+    done, spent = accountant.steps, accountant.get_epsilon(delta)
+    remaining = steps - done
+    if remaining <= 0:  # nothing left to train: the recorded sigma stands
+        return saved["noise_multiplier"]
+    figures = (f"{done} steps done spent epsilon {spent:.4f} at delta {delta:g}, dp.target_epsilon is {target:g}, "
+               f"{remaining} of training.steps {steps} remain")  # fmt: skip
+    if spent >= target:
+        raise ResumeRefusedError(f"dp.target_epsilon: the privacy budget is spent ({figures}); raise "
+                                 "dp.target_epsilon or train no further")  # fmt: skip
+    try:
+        sigma = calibrate_remaining_noise_multiplier(target, delta, accountant.history, current["sample_rate"],
+                                                     remaining, current["accountant"],
+                                                     start=saved["noise_multiplier"])  # fmt: skip
+    except ValueError as e:
+        raise ResumeRefusedError(f"dp.target_epsilon: {e} ({figures})") from e
+    logger.warning(f"dp: resumed with a changed config ({', '.join(changes)}): noise_multiplier "
+                   f"{saved['noise_multiplier']:.4f} -> {sigma:.4f} for the remaining {remaining} steps, so that the "
+                   f"whole run ends at epsilon {target:g} or below ({done} steps done spent {spent:.4f})")  # fmt: skip
+    return sigma
 
 
 def gather_kept(norms: torch.Tensor, kept: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -109,3 +201,55 @@ def norm_statistics(norms: torch.Tensor, max_grad_norm: float) -> dict:
     p95 = low + (position - int(position)) * (high - low)
     mean, p95, clipped = torch.stack([ordered.mean(), p95, (ordered > max_grad_norm).double().mean()]).tolist()
     return {"dp_grad_norm_mean": mean, "dp_grad_norm_p95": p95, "dp_clipped_fraction": clipped}
+
+
+# The refusal of a run with dp.enable false to resume a DP-SGD checkpoint (CheckpointManager's `foreign`).
+DP_CHECKPOINT_WITHOUT_DP = (
+    "it was written with DP-SGD on (dp.enable true) and this run has dp.enable false: resuming would drop its privacy "
+    "accountant and train without privacy. Set dp.enable true to continue privately, or set "
+    "dp.continue_without_privacy true to continue without privacy"
+)
+
+
+@contextlib.contextmanager
+def resuming_without_privacy(checkpointer, load_step: int):
+    """Around `checkpointer.maybe_load()` in a run with dp.enable false and dp.continue_without_privacy: resuming a
+    DP-SGD checkpoint drops its privacy accountant (logged), and a Poisson-sampled one's data position, the
+    sampler's step, which means nothing to the shuffled loader of a non-private run: that loader stands aside for
+    the load and starts its first epoch afresh (logged)."""
+    path = checkpointer.newest_complete() if load_step < 0 else checkpointer.folder / f"step-{load_step}"
+    keys = []
+    if path is not None and (path / ".metadata").is_file():
+        keys = list(read_checkpoint_metadata(path).state_dict_metadata)
+    if not any(key.startswith("dp.") for key in keys):
+        yield
+        return
+    logger.warning(f"dp.continue_without_privacy: resuming the DP-SGD checkpoint {path} without privacy; its "
+                   "privacy accountant is dropped, and what this run trains has no privacy guarantee")  # fmt: skip
+    if not any(key.startswith("dataloader_rank") and key.endswith(".step") for key in keys):
+        yield  # shuffled batches: the same loader state as a non-private run's
+        return
+    loader = checkpointer.dataloader
+    position = _PoissonPosition()
+    checkpointer.dataloader = position
+    try:
+        yield
+    finally:
+        checkpointer.dataloader = loader
+    if position.step is not None:
+        logger.warning(f"dp.continue_without_privacy: the checkpoint's data position is a Poisson sampler's step "
+                       f"({position.step}), which shuffled batches cannot continue: the data order starts its "
+                       "first epoch afresh")  # fmt: skip
+
+
+class _PoissonPosition:
+    """Takes a Poisson loader's checkpointed state (its sampler's step) in the place of another loader's."""
+
+    def __init__(self):
+        self.step = None
+
+    def state_dict(self) -> dict:
+        return {"step": 0}
+
+    def load_state_dict(self, state: dict, same_layout: bool = True) -> None:
+        self.step = int(state["step"])

@@ -1,9 +1,13 @@
 """Llama 3 flavors and their TrainSpec registration: a second model family through the same trainer."""
 
+import functools
+
+from torchtitan.config_validation import ConfigError, at
 from torchtitan.models.llama3.flavors import llama3_configs
 from torchtitan.models.llama3.model import Llama3, Llama3Args, flops_per_token
 from torchtitan.models.llama3.parallelize import parallelize_llama3
-from torchtitan.models.llama3.state_dict_adapter import read_hf_folder
+from torchtitan.models.llama3.state_dict_adapter import args_for_hf_folder, read_hf_folder
+from torchtitan.tools.logging import logger
 from torchtitan.train_spec import TrainSpec, register_train_spec
 
 __all__ = ["Llama3", "Llama3Args", "flops_per_token", "llama3_configs", "parallelize_llama3"]
@@ -13,20 +17,50 @@ TEXT_DATASETS = ("stdlib", "text", "synthetic_classification")
 
 def build_llama3_args(args: Llama3Args, job_config) -> Llama3Args:
     """The flavor's args with the overrides that apply to a language model: model.num_classes (> 0: a sequence
-    classifier with that many labels, 0: the causal LM), model.attn_window (sliding-window attention)."""
-    model_config, seq_len = job_config.model, job_config.training.seq_len
+    classifier with that many labels, 0: the causal LM), model.attn_window (sliding-window attention); and, when a
+    Hugging Face folder is the starting point (checkpoint.initial_load_in_hf), its config.json's norm eps, RoPE
+    theta and scaling and max positions (see _with_hf_config)."""
+    model_config, checkpoint, seq_len = job_config.model, job_config.checkpoint, job_config.training.seq_len
     if model_config.num_classes >= 0:
         args.num_labels = model_config.num_classes
         if args.num_labels > 0:
             args.tie_embeddings = False  # a classifier has no LM head to tie
     if model_config.attn_window >= 0:
         args.attn_window = model_config.attn_window
+    limit = f"the flavor's max_seq_len {args.max_seq_len}"
+    if checkpoint.initial_load_in_hf and checkpoint.initial_load_path:
+        args = _with_hf_config(args, job_config)
+        limit = f"config.json's max_position_embeddings {args.max_seq_len} (the RoPE table's rows)"
     if seq_len > args.max_seq_len:
-        raise ValueError(f"training.seq_len {seq_len} is longer than the flavor's max_seq_len {args.max_seq_len}")
+        raise ValueError(f"training.seq_len {seq_len} is longer than {limit}")
     if job_config.training.dataset == "synthetic_classification" and args.num_labels == 0:
         raise ValueError("training.dataset 'synthetic_classification' needs a classifier: set model.num_classes > 0")
     args.validate()
     return args
+
+
+def _with_hf_config(args: Llama3Args, job_config) -> Llama3Args:
+    """`args` with the numerics of checkpoint.initial_load_path's config.json, whose weights were trained with them
+    (the flavor's shapes, overrides applied, are checked against it).
+
+    Raises:
+        ConfigError: naming checkpoint.initial_load_path and the file: config.json is missing, no Llama config our
+            model implements, or of another shape than the flavor.
+    """
+    folder = job_config.checkpoint.initial_load_path
+    try:
+        args, notes = args_for_hf_folder(folder, args)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"{at(job_config, 'checkpoint.initial_load_path')}: {e}") from e
+    if notes:
+        _log_once(f"{folder}: the model takes config.json's {', '.join(notes)}")
+    return args
+
+
+@functools.cache
+def _log_once(message: str) -> None:
+    """The config is validated at parse time and built again by the Trainer: one line, not two."""
+    logger.info(message)
 
 
 def _build_objective(job_config, model_args: Llama3Args, layout):

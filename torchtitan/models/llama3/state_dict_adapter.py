@@ -3,8 +3,12 @@
 Both sides use the "rotate half" RoPE layout (model.py's docstring), so wq and wk are copied as they are: no
 permutation of their rows, unlike TorchTitan's adapter for its complex (interleaved) layout. Hugging Face leaves
 `lm_head.weight` out of a tied checkpoint; ours always has `output.weight`, the same tensor as the embedding.
+
+Importing into a flavor (args_for_hf_folder): the flavor gives the shapes, checked against config.json, and
+config.json the numerics the weights were trained with (norm eps, RoPE theta and scaling, max positions).
 """
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -84,17 +88,48 @@ def to_hf(state_dict: dict[str, torch.Tensor], args: Llama3Args) -> dict[str, to
     return hf
 
 
-def _rope_scaling_from_hf(config: dict) -> tuple[float, RopeScaling | None]:
+# Fields config.json sets, with the Hugging Face key each comes from. The shapes: a flavor must agree (its weights
+# would not fit otherwise). The numerics: taken from config.json when importing (the flavor's may differ, and
+# transformers' default rms_norm_eps 1e-6 differs from our 1e-5), each of them changes the logits.
+SHAPE_FIELDS = {
+    "dim": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "kv_heads": "num_key_value_heads",
+    "vocab_size": "vocab_size",
+    "ffn_dim": "intermediate_size",
+    "num_labels": "id2label",
+    "tie_embeddings": "tie_word_embeddings",
+}
+NUMERIC_FIELDS = {
+    "norm_eps": "rms_norm_eps",
+    "rope_theta": "rope_theta",
+    "rope_scaling": "rope_scaling",
+    "max_seq_len": "max_position_embeddings",
+}
+_ARCHITECTURES = ("LlamaForCausalLM", "LlamaForSequenceClassification")
+_REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size")
+# Settings of LlamaConfig our model has no counterpart for, with the only value it implements.
+_IMPLEMENTED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0}
+
+
+def _rope_scaling_from_hf(config: dict, source: str) -> tuple[float, RopeScaling | None]:
     """(rope_theta, rope_scaling) from transformers 5's `rope_parameters` or the older `rope_theta` +
     `rope_scaling`."""
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    if float(rope.get("partial_rotary_factor", config.get("partial_rotary_factor") or 1.0)) != 1.0:
+        raise ValueError(f"{source}: partial_rotary_factor is not supported (Llama3 rotates every head dimension)")
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind == "default":
         return theta, None
     if kind != "llama3":
-        raise ValueError(f"config.json: rope type {kind!r} is not supported (only 'default' and 'llama3')")
-    original = rope.get("original_max_position_embeddings", config.get("max_position_embeddings"))
+        raise ValueError(f"{source}: rope type {kind!r} is not supported (only 'default' and 'llama3')")
+    missing = [key for key in ("factor", "low_freq_factor", "high_freq_factor") if key not in rope]
+    if missing:
+        raise ValueError(f"{source}: the 'llama3' rope scaling has no {missing}")
+    # transformers falls back to max_position_embeddings too (standardize_rope_params).
+    original = rope.get("original_max_position_embeddings", config.get("max_position_embeddings", 2048))
     scaling = RopeScaling(
         factor=float(rope["factor"]),
         low_freq_factor=float(rope["low_freq_factor"]),
@@ -104,23 +139,44 @@ def _rope_scaling_from_hf(config: dict) -> tuple[float, RopeScaling | None]:
     return theta, scaling
 
 
-def args_from_hf_config(config: dict) -> Llama3Args:
-    """Llama3Args from a Hugging Face LlamaConfig's config.json (as a dict).
+def _check_is_llama(config: dict, source: str) -> None:
+    """Raises ValueError, naming model_type and architectures, unless config.json is a Llama one our model
+    implements (its heads, activation, biases)."""
+    model_type, architectures = config.get("model_type"), config.get("architectures") or []
+    if model_type != "llama" and not (model_type is None and architectures):
+        raise ValueError(f"{source}: not a Llama config (model_type {model_type!r}, architectures {architectures}); "
+                         f"Llama3 imports model_type 'llama'")  # fmt: skip
+    others = [arch for arch in architectures if arch not in _ARCHITECTURES]
+    if others:
+        raise ValueError(f"{source}: architectures {others} are not supported (only {list(_ARCHITECTURES)})")
+    missing = [key for key in _REQUIRED_KEYS if key not in config]
+    if missing:
+        raise ValueError(f"{source}: no {missing}: not a whole Llama config")
+    for key, expected in _IMPLEMENTED.items():
+        if config.get(key, expected) != expected:
+            raise ValueError(f"{source}: {key}={config[key]!r} is not supported (Llama3 implements {expected!r})")
+
+
+def args_from_hf_config(config: dict, source: str = "config.json") -> Llama3Args:
+    """Llama3Args from a Hugging Face LlamaConfig's config.json (as a dict); missing keys take LlamaConfig's
+    defaults.
+
+    Args:
+        config: the parsed config.json.
+        source: what the messages call it (the file's path).
 
     Raises:
-        ValueError: a setting our model cannot express (biases, another activation, another head_dim, another
-            RoPE type), named.
+        ValueError: not a Llama config (model_type, architectures), or a setting our model cannot express (biases,
+            another activation, attention dropout, another head_dim, another RoPE type), named.
     """
-    for key, expected in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
-        if config.get(key, expected) != expected:
-            raise ValueError(f"config.json: {key}={config[key]!r} is not supported (Llama3 needs {expected!r})")
+    _check_is_llama(config, source)
     dim, n_heads = config["hidden_size"], config["num_attention_heads"]
     if config.get("head_dim") not in (None, dim // n_heads):
-        raise ValueError(f"config.json: head_dim={config['head_dim']} is not hidden_size / num_attention_heads")
+        raise ValueError(f"{source}: head_dim={config['head_dim']} is not hidden_size / num_attention_heads")
     num_labels = 0
-    if any(arch.endswith("ForSequenceClassification") for arch in config.get("architectures") or []):
+    if "LlamaForSequenceClassification" in (config.get("architectures") or []):
         num_labels = len(config["id2label"]) if "id2label" in config else int(config.get("num_labels", 2))
-    rope_theta, rope_scaling = _rope_scaling_from_hf(config)
+    rope_theta, rope_scaling = _rope_scaling_from_hf(config, source)
     args = Llama3Args(
         dim=dim,
         n_layers=config["num_hidden_layers"],
@@ -135,8 +191,60 @@ def args_from_hf_config(config: dict) -> Llama3Args:
         tie_embeddings=bool(config.get("tie_word_embeddings", False)) and num_labels == 0,
         num_labels=num_labels,
     )
-    args.validate()
+    try:
+        args.validate()
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from e
     return args
+
+
+def read_hf_config(folder: str | Path) -> tuple[Path, dict]:
+    """(path, parsed dict) of a Hugging Face folder's config.json.
+
+    Raises:
+        FileNotFoundError: no config.json, named.
+        ValueError: config.json is not a JSON object, named.
+    """
+    path = Path(folder) / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: not a Hugging Face model folder")
+    try:
+        config = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    return path, config
+
+
+def _check_fields(path: Path, ours: Llama3Args, theirs: Llama3Args, fields: dict[str, str], whose: str) -> None:
+    """Raises ValueError naming the first field (and its Hugging Face key) where `theirs` (config.json's) differs."""
+    for field, hf_key in fields.items():
+        if getattr(ours, field) != getattr(theirs, field):
+            raise ValueError(f"{path}: {field} ({hf_key}) is {getattr(theirs, field)}, {whose} has "
+                             f"{getattr(ours, field)}")  # fmt: skip
+
+
+def args_for_hf_folder(folder: str | Path, flavor_args: Llama3Args) -> tuple[Llama3Args, list[str]]:
+    """The args to import a Hugging Face folder with: `flavor_args`'s shapes, checked against config.json, and
+    config.json's numerics (NUMERIC_FIELDS), which change the logits; the rest (attention window, init) the
+    flavor's.
+
+    Returns:
+        (args, notes): notes name each value config.json gave that differs from the flavor's.
+
+    Raises:
+        FileNotFoundError: no config.json, named.
+        ValueError: config.json is no Llama config our model implements, or a shape differs from the flavor's:
+            the file, the field and both values named.
+    """
+    path, config = read_hf_config(folder)
+    theirs = args_from_hf_config(config, str(path))
+    _check_fields(path, flavor_args, theirs, SHAPE_FIELDS, "the flavor")
+    taken = {field: getattr(theirs, field) for field in NUMERIC_FIELDS}
+    notes = [f"{NUMERIC_FIELDS[field]} {value} (the flavor's {field} {getattr(flavor_args, field)})"
+             for field, value in taken.items() if value != getattr(flavor_args, field)]  # fmt: skip
+    return dataclasses.replace(flavor_args, **taken), notes
 
 
 def hf_config_from_args(args: Llama3Args) -> dict:
@@ -173,22 +281,42 @@ def hf_config_from_args(args: Llama3Args) -> dict:
     return config
 
 
+def _shards(folder: Path) -> tuple[list[str], Path | None]:
+    """The safetensors files of a folder: those its index names when sharded, else model.safetensors; and the
+    index's path (None when there is none)."""
+    index_path = folder / "model.safetensors.index.json"
+    if not index_path.exists():
+        return ["model.safetensors"], None
+    try:
+        weight_map = json.loads(index_path.read_text()).get("weight_map")
+    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+        raise ValueError(f"{index_path}: not a JSON object ({e})") from e
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{index_path}: no 'weight_map' (tensor name -> safetensors file): not a sharded index")
+    return sorted(set(weight_map.values())), index_path
+
+
 def _read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the folder's safetensors files: those the index names when sharded, else model.safetensors."""
+    """Every tensor of the folder's safetensors files (see _shards).
+
+    Raises:
+        FileNotFoundError: a safetensors file is missing, named (and the index that names it).
+        ValueError: the index has no weight_map, or a file is no whole safetensors file (truncated), named.
+    """
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    index_path = folder / "model.safetensors.index.json"
-    if index_path.exists():
-        shards = sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
-    else:
-        shards = ["model.safetensors"]
+    shards, index_path = _shards(folder)
     weights = {}
     for shard in shards:
         path = folder / shard
         if not path.exists():
-            named_by = f" (named by {index_path.name})" if index_path.exists() else ""
+            named_by = f" (named by {index_path.name})" if index_path else ""
             raise FileNotFoundError(f"{path} is missing{named_by}")
-        weights.update(load_file(path))
+        try:
+            weights.update(load_file(path))
+        except SafetensorError as e:  # a truncated or foreign file: its own message names no file
+            raise ValueError(f"{path}: not a readable safetensors file ({e})") from e
     return weights
 
 
@@ -198,20 +326,18 @@ def read_hf_folder(folder: str | Path, args: Llama3Args) -> dict[str, torch.Tens
 
     Raises:
         FileNotFoundError: config.json or a safetensors file is missing, named.
-        ValueError: config.json describes another architecture than `args`, or a key is unexpected, missing or of
-            another shape, named.
+        ValueError: config.json describes another model than `args` (a shape, or the norm eps or RoPE settings,
+            which change the logits: build `args` with args_for_hf_folder or args_from_hf_config), a key is
+            unexpected, missing or of another shape, or a file is unreadable, named.
     """
     from torchtitan.models.llama3.model import Llama3
 
     folder = Path(folder)
-    config_path = folder / "config.json"
-    if not config_path.exists():
-        raise FileNotFoundError(f"{config_path} is missing: not a Hugging Face model folder")
-    folder_args = args_from_hf_config(json.loads(config_path.read_text()))
-    for field in ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "ffn_dim", "num_labels", "tie_embeddings"):
-        ours, theirs = getattr(args, field), getattr(folder_args, field)
-        if ours != theirs:
-            raise ValueError(f"{config_path}: {field} is {theirs}, the model has {ours}")
+    config_path, config = read_hf_config(folder)
+    folder_args = args_from_hf_config(config, str(config_path))
+    # max_position_embeddings is left out: it sets only how long a sequence the model takes, not its logits.
+    fields = {**SHAPE_FIELDS, **{k: v for k, v in NUMERIC_FIELDS.items() if k != "max_seq_len"}}
+    _check_fields(config_path, args, folder_args, fields, "the model")
     state_dict = from_hf(_read_hf_weights(folder), args)
     with torch.device("meta"):
         expected = Llama3(args).state_dict()
@@ -229,7 +355,7 @@ def read_hf_folder(folder: str | Path, args: Llama3Args) -> dict[str, torch.Tens
 
 def load_hf_folder(folder: str | Path, model: nn.Module) -> None:
     """Loads a Hugging Face Llama folder into a plain `model` in place (see read_hf_folder; the model's args must
-    describe the same architecture: build it from args_from_hf_config)."""
+    describe the same model: build it from args_from_hf_config)."""
     model.load_state_dict(read_hf_folder(folder, model.args))
 
 

@@ -1,0 +1,73 @@
+"""Pickles read through an allow-list: the one way TorchDiTan reads a pickle it did not just write.
+
+`pickle.load` calls whatever a file names (`os.system`, `builtins.eval`), so a crafted file runs code the moment it
+is read. Every callable a pickle can invoke is looked up through `Unpickler.find_class` (GLOBAL, STACK_GLOBAL and
+the extension registry alike), so refusing there refuses them all, before anything is called. Each reader names
+the globals its files legitimately hold: CIFAR-10's python batches (torchtitan/datasets/cifar10.py) and DCP
+checkpoints (torchtitan/components/checkpoint.py).
+"""
+
+import pickle
+import types
+from collections.abc import Collection
+from typing import BinaryIO
+
+import torch
+
+# numpy arrays and scalars as pickles rebuild them: _reconstruct(ndarray, ...) and a dtype, or _frombuffer in
+# protocol 5 (Python 3.14's default). numpy 2 spells numpy.core as numpy._core; files from numpy 1 name the old one.
+NUMPY_ARRAY_GLOBALS = frozenset(
+    {
+        *((f"numpy.{core}.multiarray", name) for core in ("core", "_core") for name in ("_reconstruct", "scalar")),
+        *((f"numpy.{core}.numeric", "_frombuffer") for core in ("core", "_core")),
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+    }
+)
+
+
+class UnsafePickleError(pickle.UnpicklingError, ValueError):
+    """A pickle names a global outside its reader's allow-list; nothing the pickle names was called. A ValueError
+    too: a file that is not what its reader expects, as the CLIs and the config checks report them."""
+
+
+def restricted_unpickler(allowed: Collection[tuple[str, str]], source: str, holder: str) -> type[pickle.Unpickler]:
+    """An Unpickler class that admits only the (module, name) globals in `allowed`.
+
+    Args:
+        allowed: the globals the file may name.
+        source: the file, as messages name it (e.g. "checkpoint run/checkpoint/step-4/.metadata").
+        holder: what such a file is, as in "which {holder} may not hold" (e.g. "a checkpoint").
+    """
+
+    class RestrictedUnpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str):
+            if (module, name) not in allowed:
+                raise UnsafePickleError(f"{source} refers to {module}.{name}, which {holder} may not hold (loading "
+                                        "it could run code)")  # fmt: skip
+            return super().find_class(module, name)
+
+    return RestrictedUnpickler
+
+
+def load(file: BinaryIO, allowed: Collection[tuple[str, str]], source: str, holder: str, **kwargs):
+    """`pickle.load(file, **kwargs)` admitting only `allowed` globals.
+
+    Raises:
+        UnsafePickleError: the file names another global; the message names the file and the global.
+    """
+    return restricted_unpickler(allowed, source, holder)(file, **kwargs).load()
+
+
+def torch_load(file: BinaryIO, allowed: Collection[tuple[str, str]], source: str, holder: str):
+    """`torch.load` of a `torch.save` file (on the CPU) whose pickle may name only `allowed` globals; tensor storages
+    are torch's own persistent records, which never reach `find_class` as callables.
+
+    Raises:
+        UnsafePickleError: the pickle names another global; the message names `source` and the global.
+    """
+    unpickler = restricted_unpickler(allowed, source, holder)
+    module = types.SimpleNamespace(__name__=__name__, Unpickler=unpickler,
+                                   load=lambda f, **kwargs: unpickler(f, **kwargs).load())  # fmt: skip
+    # weights_only=False only because an explicit pickle_module replaces torch's own restricted one.
+    return torch.load(file, map_location="cpu", pickle_module=module, weights_only=False)
