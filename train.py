@@ -14,10 +14,11 @@ import torch
 
 from torchtitan.components.checkpoint import CheckpointLoadError, CheckpointSaveError, NonFiniteStateError
 from torchtitan.components.run_lock import RunFolderError
+from torchtitan.components.step_guard import NonFiniteStepError
 from torchtitan.config_manager import ConfigError, parse_args
 from torchtitan.datasets.imagefolder import UnreadableImageError
 from torchtitan.tools.logging import init_logger, logger
-from torchtitan.trainer import NonFiniteStepError, Trainer
+from torchtitan.trainer import Trainer
 
 # Refusals before any training (status 2), and stops that keep every checkpoint (status 1): each message names
 # what is at fault, so no traceback. An unreadable image, a data error named by its file, refuses the run when the

@@ -213,6 +213,25 @@ def test_parallel_dims_resolve():
     assert ParallelDims(4, 1, 4).mode == "ddp" and ParallelDims(1, -1, 4).mode == "fsdp"
 
 
+def test_compile_scope_auto_is_the_whole_model_on_one_cuda_device_only(monkeypatch):
+    from types import SimpleNamespace
+
+    from torchtitan.parallelisms.utils import compile_scope
+
+    auto, block = SimpleNamespace(scope="auto"), SimpleNamespace(scope="block")
+    one, ddp, fsdp, fsdp_one = (
+        ParallelDims(1, 1, 1),
+        ParallelDims(2, 1, 2),
+        ParallelDims(1, -1, 2),
+        ParallelDims(1, 1, 1, True),
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert [compile_scope(auto, dims) for dims in (one, ddp, fsdp, fsdp_one)] == ["model", "block", "block", "block"]
+    assert compile_scope(block, one) == "block"  # an explicit scope is kept
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert compile_scope(auto, one) == "block"  # on the CPU one block's graph compiles once for all
+
+
 def test_sharded_7b_init_without_materializing():
     """fully_shard over a fake 8-rank world on the meta device: right count, right per-rank shards."""
     import torch.distributed as dist

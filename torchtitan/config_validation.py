@@ -47,7 +47,7 @@ _CHOICES = {
     "checkpoint.export_dtype": ("float32", "bfloat16"),
     "activation_checkpoint.mode": ("none", "full", "selective"),
     "compile.mode": ("default", "max-autotune-no-cudagraphs"),
-    "compile.scope": ("block", "model"),
+    "compile.scope": ("auto", "block", "model"),
     "quantize.linear.float8.recipe_name": ("tensorwise", "rowwise", "rowwise_with_gw_hp"),  # torchao's names
     "sampling.sampler": ("default", "ddim", "euler", "heun"),
     "latent.tokenizer": ("", "cosmos_jit", "diffusers"),

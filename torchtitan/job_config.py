@@ -284,11 +284,14 @@ class Compile:
     mode: str = "default"
     """torch.compile mode: 'default' or 'max-autotune-no-cudagraphs' (Triton GEMMs with fused epilogues;
     minutes of autotuning at start)."""
-    scope: str = "block"
+    scope: str = "auto"
     """What one graph holds: 'block' (each block apart; the blocks share one compiled graph, so compiling
-    costs one block) or 'model' (the whole DiT: Inductor also fuses across block boundaries, e.g. a block's
-    last residual add into the next block's norm, at several times the compile time; one device only,
-    since DDP's and FSDP's hooks must stay outside compiled code)."""
+    costs one block), 'model' (the whole model: Inductor also fuses across block boundaries, e.g. a block's
+    last residual add into the next block's norm, and the host launches one graph per step instead of one per
+    block, at several times the compile time; one device only, since DDP's and FSDP's hooks must stay outside
+    compiled code) or 'auto': 'model' on one CUDA device without data parallelism (DiT-XL/2 on one H200: as fast
+    or faster at 32, 64 and 224 images a step, and DP-SGD's step 1.17x the non-private one at 64 against 1.69x;
+    docs/benchmark_log.md, 2026-11-27), 'block' otherwise."""
 
 
 @dataclass

@@ -6,9 +6,10 @@
 Builds the Trainer in this process from train.py's arguments, with the `dummy` dataset, no checkpoints, no samples
 and no TensorBoard (a run folder of its own unless `--job.dump_folder` is given), and drives `Trainer.train_step()`:
 warm-up steps (compilation, autotuning), then timed steps, each timed to a device sync; the result is the median
-step time through the trainer's `ThroughputMeter.rates` (the one MFU formula). Rank 0 prints one line
-`MEASURE_RESULT {json}`, which `torchtitan.tools.runs.launch` reads: scripts/benchmark.py, the max-batch finder and
-the script grids run this module in fresh processes.
+step time through the trainer's `ThroughputMeter.rates` (the one MFU formula). The same number of steps is then run
+back to back, as training runs them, with one sync at the end: `streamed_step_time_s`, their mean. Rank 0 prints
+one line `MEASURE_RESULT {json}`, which `torchtitan.tools.runs.launch` reads: scripts/benchmark.py, the max-batch
+finder and the script grids run this module in fresh processes.
 """
 
 import argparse
@@ -75,9 +76,17 @@ def measure_steps(train_args: list[str], warmup: int = 3, steps: int = 10, profi
             _sync(trainer)
             times.append(time.perf_counter() - start)
         summary = warm_summary(times)
+        # As training runs them: back to back, one sync at the end, so the CPU may queue ahead of the GPU. Against
+        # the per-step time above, the gap is what the per-step sync cost (the host's launch time hidden or not).
+        start = time.perf_counter()
+        for _ in range(steps):
+            out = trainer.train_step()
+        _sync(trainer)
+        streamed_s = (time.perf_counter() - start) / steps
         loss = out["loss_sum"].item() * trainer.dp_degree / trainer.global_batch  # this rank's mean
         result = {"global_batch": trainer.global_batch, **trainer.meter.rates(summary["step_time_s"]), **summary,
-                  "warmup_s": warmup_s, "loss": loss, "gflop_per_image": trainer.meter.flops_per_sample / 1e9,
+                  "streamed_step_time_s": streamed_s, "warmup_s": warmup_s, "loss": loss,
+                  "gflop_per_image": trainer.meter.flops_per_sample / 1e9,
                   **peak_memory_gib(trainer.device)}  # fmt: skip
         if trainer.device.type == "cuda":
             result["device"] = torch.cuda.get_device_name(trainer.device)

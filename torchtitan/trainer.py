@@ -27,6 +27,7 @@ from torchtitan.components.optimizer import apply_configured_hyperparameters, bu
 from torchtitan.components.profiling import Profiler
 from torchtitan.components.run_lock import acquire_run_lock
 from torchtitan.components.sampling import SampleWriter
+from torchtitan.components.step_guard import NonFiniteGuard
 from torchtitan.config_manager import ConfigError, JobConfig, check_batch_sizes, to_toml
 from torchtitan.config_validation import at, validate_layout
 from torchtitan.datasets.record import DataRecord, data_record
@@ -56,10 +57,6 @@ def init_distributed(device: torch.device, world_size: int) -> None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     else:
         dist.init_process_group(backend)
-
-
-class NonFiniteStepError(RuntimeError):
-    """A step's loss or gradient norm is NaN or inf; the run stops before applying it."""
 
 
 class Trainer:
@@ -161,6 +158,7 @@ class Trainer:
             resuming = resuming_without_privacy(self.checkpointer, cfg.checkpoint.load_step)
         with resuming:
             self.step = self.checkpointer.maybe_load()
+        self.guard = NonFiniteGuard(self.optimizer, self.device, self.describe_nonfinite)
         if self.step == 0 and cfg.checkpoint.initial_load_in_hf:
             self.load_hf_weights(cfg.checkpoint.initial_load_path)
         if self.step > 0:  # the config's optimizer settings win over the checkpoint's
@@ -281,8 +279,12 @@ class Trainer:
     def train_step(self) -> dict:
         """One optimizer step over grad_accum_steps micro-batches; returns tensors for logging.
 
+        No host sync: a non-finite step's update is skipped on the device (NonFiniteGuard), and the host reads the
+        previous step's flag, which the GPU has finished while this step was queued.
+
         Raises:
-            NonFiniteStepError: the loss or the gradient norm is NaN or inf; the update is not applied.
+            NonFiniteStepError: the loss or the gradient norm of this step (host path) or the step before (device
+                path) is NaN or inf; that update was not applied.
         """
         loss_sum = torch.zeros((), device=self.device)
         loss_count = torch.zeros((), device=self.device)  # samples drawn: a Poisson batch's vary (on the device)
@@ -293,13 +295,13 @@ class Trainer:
             loss_sum += (losses if mask is None else losses * mask).sum()
             loss_count += losses.shape[0] if mask is None else mask.sum()
         grad_norm = self.grad_norm()
-        self.check_finite(loss_sum, grad_norm)  # before anything changes the weights
         max_norm = self.job_config.training.max_norm if self.private is None else 0.0  # DP clips per sample instead
         if max_norm > 0:
             params = [p for p in self.model.parameters() if p.grad is not None]
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, grad_norm, foreach=True)
         lr = self.optimizer.param_groups[0]["lr"]  # the lr this update applies
-        self.optimizer.step()
+        with self.guard.update(self.step + 1, loss_sum, grad_norm):
+            self.optimizer.step()
         self.stage("optimizer_step")
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -313,21 +315,27 @@ class Trainer:
         if self.private is not None:
             self.private.step_done()
         self.step += 1
+        self.guard.check(late=1)  # the CPU stays at most one step ahead of the GPU
         return {"loss_sum": loss_sum, "loss_count": loss_count, "grad_norm": grad_norm, "lr": lr}
 
-    def check_finite(self, loss_sum: torch.Tensor, grad_norm: torch.Tensor) -> None:
-        """Stops the run before a non-finite update; the gradient norm is global, so every rank stops alike (a NaN
-        loss anywhere makes it NaN). One sync with the GPU per step, which also bounds how far the CPU runs ahead."""
-        if bool(torch.isfinite(grad_norm)) and bool(torch.isfinite(loss_sum)):
-            return
-        step = self.step + 1
+    def describe_nonfinite(self, step: int, loss_sum: torch.Tensor, grad_norm: torch.Tensor) -> str:
+        """NonFiniteGuard's message; the gradient norm is global, so every rank stops alike (a NaN loss anywhere
+        makes it NaN)."""
         newest = self.checkpointer.newest_complete()
-        raise NonFiniteStepError(
+        return (
             f"step {step}: this rank's mean loss is {loss_sum.item() * self.dp_degree / self.global_batch:.4g} and the "
-            f"gradient norm {grad_norm.item():.4g}: the run stops before applying this update"
+            f"gradient norm {grad_norm.item():.4g}: the run stops and this update was not applied"
             f"{f'; the newest checkpoint is {newest}' if newest else ''}. Lower optimizer.lr, set "
             "training.max_norm > 0, or check the data"
         )
+
+    def reads_state(self, last: bool) -> bool:
+        """Whether anything reads the training state after this step: a log, a checkpoint, a validation, a sample
+        grid, or the end (the export)."""
+        cfg = self.job_config
+        return (last or self.logs_at(self.step) or self.checkpointer.should_save(self.step, last)
+                or (self.validation_loader is not None and self.step % cfg.validation.freq == 0)
+                or (self.samples is not None and self.samples.due(self.step, last)))  # fmt: skip
 
     def logs_at(self, steps_done: int) -> bool:
         """Whether the metrics are logged once `steps_done` steps are done (every log_freq steps, and the last)."""
@@ -364,6 +372,8 @@ class Trainer:
             self.meter.steps += 1
             self.gc.run(self.step)
             last = self.step == cfg.training.steps
+            if self.reads_state(last):
+                self.guard.check()  # no state is logged, saved or sampled after a non-finite step
             if self.logs_at(self.step):
                 self.log(out)
             if self.checkpointer.should_save(self.step, last):  # before the samples: a failing side feature

@@ -48,19 +48,22 @@ def parse_case(text: str, config: str, nproc: int = 1) -> Run:
 
 def result_table(results: list[dict]) -> str:
     """A markdown table of measured runs: batch, images/s (tokens/s for language models), TFLOP/s, MFU, peak
-    memory, median step time."""
+    memory, median step time (and, where measured, the mean step time of steps run back to back)."""
     lm = any("tokens_per_second" in r for r in results)
     unit = "tokens/s" if lm else "images/s"
-    header = f"| case | batch | {unit} | TFLOP/s | MFU % | peak mem GiB | step ms |\n|---|---|---|---|---|---|---|"
-    rows = [header]
+    streamed = any("streamed_step_time_s" in r for r in results)
+    header = f"| case | batch | {unit} | TFLOP/s | MFU % | peak mem GiB | step ms |"
+    header += " streamed ms |" if streamed else ""
+    rows = [header, "|---" * header.count(" |") + "|"]
     for r in results:
         if r["status"] != "ok":
-            rows.append(f"| {r['name']} | | {r['status']} | | | | |")
+            rows.append(f"| {r['name']} | | {r['status']} | | | | |" + (" |" if streamed else ""))
             continue
         tflops = f"{r['tflops']:.1f}" if "tflops" in r else "n/a"
         mfu = f"{r['mfu']:.1f}" if "mfu" in r else "n/a"
         mem = f"{r['memory_peak_active_gib']:.1f}" if "memory_peak_active_gib" in r else "n/a"
         rate = f"{r['tokens_per_second']:,.0f}" if lm else f"{r['images_per_second']:.1f}"
+        extra = f" {1000 * r['streamed_step_time_s']:.1f} |" if "streamed_step_time_s" in r else (" |" * streamed)
         rows.append(f"| {r['name']} | {r['global_batch']} | {rate} | {tflops} | {mfu} | "
-                    f"{mem} | {1000 * r['step_time_s']:.1f} |")  # fmt: skip
+                    f"{mem} | {1000 * r['step_time_s']:.1f} |{extra}")  # fmt: skip
     return "\n".join(rows)

@@ -129,10 +129,22 @@ def apply_compile(model: nn.Module, mode: str = "default", scope: str = "block",
     logger.info(f"compiled {what} with torch.compile(fullgraph={fullgraph}, mode={mode!r})")
 
 
-def full_graph(job_config) -> bool:
-    """fullgraph for apply_compile: True, except for a whole compiled model under DP-SGD, whose root pre-hook (it
-    makes the per-row token the engine backpropagates to, outside any graph) is one graph break at its start."""
-    return not (job_config.dp.enable and job_config.compile.scope == "model")
+def compile_scope(compile_config, parallel_dims) -> str:
+    """compile.scope with "auto" resolved: the whole model on one CUDA device without data parallelism, where it was
+    measured at least as fast at every batch (DiT-XL/2 on one H200 at 32, 64 and 224 images a step; Llama-3.2-1B
+    equal; docs/benchmark_log.md, 2026-11-27), and each block otherwise: DDP's and FSDP's hooks stay outside
+    compiled code, and on the CPU one block's graph, compiled once for all blocks, keeps start-up short."""
+    if compile_config.scope != "auto":
+        return compile_config.scope
+    one_device = parallel_dims.dp_degree == 1 and not parallel_dims.fsdp_enabled
+    return "model" if one_device and torch.cuda.is_available() else "block"
+
+
+def full_graph(job_config, scope: str) -> bool:
+    """fullgraph for apply_compile of `scope`: True, except for a whole compiled model under DP-SGD, whose root
+    pre-hook (it makes the per-row token the engine backpropagates to, outside any graph) is one graph break at its
+    start."""
+    return not (job_config.dp.enable and scope == "model")
 
 
 def reshards_after_forward(mode: str, num_blocks: int) -> tuple[list[bool], bool]:

@@ -8,7 +8,14 @@ FSDP shards last so its hooks sit outside the compiled code. Under DP-SGD compil
 from torch import nn
 
 from torchtitan.parallelisms.parallel_dims import ParallelDims
-from torchtitan.parallelisms.utils import apply_ac, apply_compile, apply_data_parallel, checkpointed_blocks, full_graph
+from torchtitan.parallelisms.utils import (
+    apply_ac,
+    apply_compile,
+    apply_data_parallel,
+    checkpointed_blocks,
+    compile_scope,
+    full_graph,
+)
 
 
 def parallelize_dit(model: nn.Module, parallel_dims: ParallelDims, job_config) -> nn.Module:
@@ -28,6 +35,7 @@ def parallelize_dit(model: nn.Module, parallel_dims: ParallelDims, job_config) -
     if ac.mode != "none":
         apply_ac(model.blocks, ac.mode, ac.selective_ac_option, save_ops=conversion.save_ops)
     if compiled:
-        apply_compile(model, compile_config.mode, compile_config.scope, fullgraph=full_graph(job_config))
+        scope = compile_scope(compile_config, parallel_dims)
+        apply_compile(model, compile_config.mode, scope, fullgraph=full_graph(job_config, scope))
     apply_data_parallel(model, list(model.blocks.values()), parallel_dims, job_config, job_config.compile.enable)
     return model

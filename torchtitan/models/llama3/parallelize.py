@@ -7,7 +7,7 @@ the only converter is float8. Under DP-SGD each layer is compiled before AC, for
 from torch import nn
 
 from torchtitan.parallelisms.parallel_dims import ParallelDims
-from torchtitan.parallelisms.utils import apply_ac, apply_compile, apply_data_parallel, full_graph
+from torchtitan.parallelisms.utils import apply_ac, apply_compile, apply_data_parallel, compile_scope, full_graph
 
 
 def parallelize_llama3(model: nn.Module, parallel_dims: ParallelDims, job_config) -> nn.Module:
@@ -23,7 +23,7 @@ def parallelize_llama3(model: nn.Module, parallel_dims: ParallelDims, job_config
     if ac.mode != "none":
         apply_ac(model.layers, ac.mode, ac.selective_ac_option)
     if compiled:
-        apply_compile(model, compile_config.mode, compile_config.scope, fullgraph=full_graph(job_config),
-                      blocks=model.layers)  # fmt: skip
+        scope = compile_scope(compile_config, parallel_dims)
+        apply_compile(model, compile_config.mode, scope, fullgraph=full_graph(job_config, scope), blocks=model.layers)
     apply_data_parallel(model, list(model.layers.values()), parallel_dims, job_config, compiled)
     return model
