@@ -329,14 +329,6 @@ class Trainer:
             "training.max_norm > 0, or check the data"
         )
 
-    def reads_state(self, last: bool) -> bool:
-        """Whether anything reads the training state after this step: a log, a checkpoint, a validation, a sample
-        grid, or the end (the export)."""
-        cfg = self.job_config
-        return (last or self.logs_at(self.step) or self.checkpointer.should_save(self.step, last)
-                or (self.validation_loader is not None and self.step % cfg.validation.freq == 0)
-                or (self.samples is not None and self.samples.due(self.step, last)))  # fmt: skip
-
     def logs_at(self, steps_done: int) -> bool:
         """Whether the metrics are logged once `steps_done` steps are done (every log_freq steps, and the last)."""
         return steps_done % self.job_config.metrics.log_freq == 0 or steps_done == self.job_config.training.steps
@@ -372,15 +364,18 @@ class Trainer:
             self.meter.steps += 1
             self.gc.run(self.step)
             last = self.step == cfg.training.steps
-            if self.reads_state(last):
-                self.guard.check()  # no state is logged, saved or sampled after a non-finite step
-            if self.logs_at(self.step):
+            log, save = self.logs_at(self.step), self.checkpointer.should_save(self.step, last)
+            validate = self.validation_loader is not None and (self.step % cfg.validation.freq == 0 or last)
+            sample = self.samples is not None and self.samples.due(self.step, last)
+            if last or log or save or validate or sample:
+                self.guard.check()  # no state is logged, saved, sampled or exported after a non-finite step
+            if log:
                 self.log(out)
-            if self.checkpointer.should_save(self.step, last):  # before the samples: a failing side feature
-                self.checkpointer.save(self.step, last=last)  # never costs the step's checkpoint
-            if self.validation_loader is not None and (self.step % cfg.validation.freq == 0 or last):
+            if save:  # before the samples: a failing side feature never costs the step's checkpoint
+                self.checkpointer.save(self.step, last=last)
+            if validate:
                 self.validate()
-            if self.samples is not None and self.samples.due(self.step, last):
+            if sample:
                 self.samples.write(self.model, self.ema, self.step, self.compute_context)
             self.profiler.step(self.step)
         self.checkpointer.wait()
