@@ -6,6 +6,11 @@ DP-SGD cases are cases like any other (`--dp.enable true --dp.mode flash_bookkee
 
     python scripts/benchmark.py --config train_configs/dit_xl2_latent256.toml \
         --case "bs256=--training.local_batch_size 256" --case "eager=--compile.enable false" --warmup 5 --steps 20
+
+Each case is timed twice: each step to a device sync (the median: "step ms"), and the same number of steps back to
+back as training runs them ("streamed ms"), with the share of those the host waited for data ("data %").
+`--data config` measures on the config's own dataset (an image folder of JPEGs, say) instead of generated
+batches, and adds the loader's own images/s per worker.
 """
 
 import argparse
@@ -30,11 +35,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeout", type=float, default=None, help="seconds a case may take")
     parser.add_argument("--json-out", default="", help="also write the results here")
     parser.add_argument("--profile", action="store_true", help="print each case's top CUDA kernels")
+    parser.add_argument("--data", choices=["dummy", "config"], default="dummy",
+                        help="dummy: generated batches of the model's shape (no I/O); config: the config's own "
+                             "dataset and loader, whose rate alone is reported too")  # fmt: skip
     args = parser.parse_args(argv)
     results = []
     for case in args.case or ["default="]:
         run = parse_case(case, args.config, args.nproc)
-        outcome = launch(run, args.warmup, args.steps, args.timeout, args.profile)
+        outcome = launch(run, args.warmup, args.steps, args.timeout, args.profile, own_data=args.data == "config")
         results.append({"name": run.name, "status": outcome.status, **outcome.result})
         if not outcome.ok:
             print(outcome.output[-3000:], file=sys.stderr)

@@ -339,6 +339,7 @@ def test_every_bad_key_is_reported_at_once(tmp_path):
 
 def test_layout_checks_name_the_keys(tmp_path):
     from torchtitan.config_validation import validate_layout
+    from torchtitan.parallelisms.parallel_dims import ParallelDims
 
     cfg = parse_args(["--parallelism.data_parallel_replicate_degree", "3", "--compile.enable", "true",
                       "--compile.scope", "model", "--training.local_batch_size", "auto"])  # fmt: skip
@@ -354,6 +355,15 @@ def test_layout_checks_name_the_keys(tmp_path):
                                           r"2 x 3 != world size 8"):  # fmt: skip
         validate_layout(cfg, world_size=8, device_type="cpu")
     validate_layout(parse_args(["--parallelism.data_parallel_replicate_degree", "2"]), 8, "cpu")  # HSDP 2 x 4
+    # Replicate -1 takes the rest of the world (DDP over every rank with shard 1); only one degree may be -1.
+    ddp_everywhere = ["--parallelism.data_parallel_replicate_degree", "-1", "--parallelism.data_parallel_shard_degree"]
+    validate_layout(parse_args([*ddp_everywhere, "1"]), 8, "cpu")
+    assert ParallelDims(-1, 1, 8).mode == "ddp" and ParallelDims(-1, 2, 8).dp_replicate == 4
+    with pytest.raises(ConfigError, match=r"data_parallel_shard_degree = 3 in the command line: does not divide the "
+                                          r"world size 8"):  # fmt: skip
+        validate_layout(parse_args([*ddp_everywhere, "3"]), 8, "cpu")
+    with pytest.raises(ConfigError, match=r"only one of them may be -1"):
+        validate_layout(parse_args([*ddp_everywhere, "-1"]), 8, "cpu")
 
 
 @pytest.mark.parametrize("argv, key, value", [

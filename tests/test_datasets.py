@@ -1,5 +1,6 @@
 """Datasets and the loader: shapes and ranges, ADM's crop, CIFAR-10 pickles, errors naming the path, resume."""
 
+import dataclasses
 import importlib.util
 import logging
 import os
@@ -17,10 +18,12 @@ from PIL import Image
 
 from tests.conftest import ROOT
 from torchtitan.config_manager import JobConfig
-from torchtitan.datasets import DiffusionDataLoader, build_dataset
+from torchtitan.datasets import DiffusionDataLoader, PoissonDataLoader, build_dataset
 from torchtitan.datasets.cifar10 import CIFAR10Dataset, load_cifar10_pickle
 from torchtitan.datasets.digits import DigitsDataset, load_digits_arrays
 from torchtitan.datasets.imagefolder import ImageFolderDataset, UnreadableImageError, center_crop_arr
+from torchtitan.datasets.prefetch import images_to_float
+from torchtitan.dp.sampling import PoissonBatchSampler, pad_batch
 from torchtitan.models.dit import dit_configs
 from torchtitan.tools.logging import logger
 
@@ -61,7 +64,11 @@ def test_image_folder_center_crop_and_flip(tmp_path):
     data = ImageFolderDataset(str(make_image_folder(tmp_path / "images")), image_size=16)
     assert data.classes == ["cat", "dog"] and len(data) == 4 and data.num_classes == 2
     image, label = data[2]
-    assert image.shape == (3, 16, 16) and label == 1 and -1 <= image.min() and image.max() <= 1
+    assert image.shape == (3, 16, 16) and image.dtype == torch.uint8 and label == 1
+    # The device's mapping to [-1, 1] is the host's old `float() / 127.5 - 1`, to the bit.
+    pixels = torch.arange(256, dtype=torch.uint8)
+    assert torch.equal(images_to_float(pixels), pixels.float() / 127.5 - 1.0)
+    assert images_to_float(pixels)[[0, -1]].tolist() == [-1.0, 1.0]
     # ADM's crop keeps the centre: a 64x32 image with a bright centre column stays bright in the middle.
     array = np.zeros((32, 64, 3), dtype=np.uint8)
     array[:, 31:33] = 255
@@ -236,3 +243,64 @@ def test_loader_resumes_with_the_next_batch():
     resumed.load_state_dict(state)
     assert state["epoch"] == 1
     assert all(torch.equal(a, next(resumed)[1]) for a in expected)
+
+
+class _IndexedImages(torch.utils.data.Dataset):
+    """uint8 'images' (1, 4, 4) that hold their index (mod 256), label index % 10; with `noise`, an added random
+    draw from the global generator stands for a random augmentation (flips)."""
+
+    def __init__(self, length: int = 200, noise: bool = False):
+        self.length, self.noise = length, noise
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int):
+        image = torch.full((1, 4, 4), index % 256, dtype=torch.uint8)
+        if self.noise:
+            image += torch.randint(0, 8, (), dtype=torch.uint8)
+        return image, index % 10
+
+
+def _poisson_loader(data, workers: int, num_steps: int = 3) -> PoissonDataLoader:
+    sampler = PoissonBatchSampler(len(data), 16 / len(data), num_steps, seed=5, rank=1, world_size=2)
+    config = dataclasses.replace(JobConfig().training.dataloader, num_workers=workers, persistent_workers=False)
+    return PoissonDataLoader(data, sampler, 8, config)
+
+
+def test_poisson_loader_workers_yield_the_batches_of_this_process():
+    """Whole padded batches built by 2 workers equal those built here, step by step and past the sampler's
+    num_steps (the draws go on, as measurements that outrun a config's steps need); the images keep their dtype.
+    Starting the iterations draws nothing from the global generator (it would shift a resumed run's noise)."""
+    data = _IndexedImages()
+    rng = torch.get_rng_state()
+    here, workers = _poisson_loader(data, 0), _poisson_loader(data, 2)
+    for step in range(5):  # num_steps is 3
+        indices, mask = pad_batch(here.batch_sampler.batch(step), here.padded_size)
+        images, labels, drawn = next(here)
+        assert images.dtype == torch.uint8 and labels.dtype == torch.long and drawn.dtype == torch.bool
+        assert torch.equal(images[:, 0, 0, 0], torch.tensor(indices, dtype=torch.uint8))
+        assert torch.equal(labels, torch.tensor(indices) % 10) and torch.equal(drawn, mask)
+        assert 0 < mask.sum() < len(mask)  # a drawn batch and padding
+        assert all(torch.equal(a, b) for a, b in zip((images, labels, drawn), next(workers), strict=True))
+    assert here.state_dict() == workers.state_dict() == {"step": 5}
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_poisson_loader_with_workers_resumes_with_the_next_batch():
+    """The saved position is the batches handed out, not the workers' read-ahead; a fresh loader, or this one
+    mid-iteration (its prefetched batches dropped), resumes bitwise, random augmentations in the workers too."""
+    data = _IndexedImages(noise=True)
+    loader = _poisson_loader(data, 2, num_steps=10)
+    for _ in range(3):
+        next(loader)
+    state = loader.state_dict()
+    assert state == {"step": 3} and loader.batch_sampler.step == 3  # 2 workers x prefetch 2 read ahead
+    expected = [next(loader) for _ in range(2)]
+    resumed = _poisson_loader(data, 2, num_steps=10)
+    resumed.load_state_dict(state)
+    loader.load_state_dict(state)
+    for loaded in (resumed, loader):
+        for batch in expected:
+            assert all(torch.equal(a, b) for a, b in zip(batch, next(loaded), strict=True))
+        assert loaded.state_dict() == {"step": 5}

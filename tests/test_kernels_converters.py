@@ -218,3 +218,21 @@ def test_dp_refuses_the_float8_converter():
     with pytest.raises(ConfigError, match="dp.enable with model.converters in the command line: torchao's float8 "
                                           "Linear computes its weight gradient"):  # fmt: skip
         parse_args(["--dp.enable", "true", "--model.converters", "fused_norm,float8"])
+
+
+def test_the_fused_converters_stand_aside_below_the_token_threshold_on_cuda(monkeypatch, caplog):
+    from torchtitan.config_manager import parse_args
+    from torchtitan.models.dit.parallelize import converters_for_batch
+
+    args = dit_configs["DiT-XL/2"]  # 32 x 32 latents, patch 2: 256 tokens an image
+    cfg = parse_args(["--model.converters", "fused_norm,float8,fused_mlp,fused_qkv", "--training.local_batch_size",
+                      "32"])  # fmt: skip
+    assert converters_for_batch(cfg, args) == cfg.model.converters  # no CUDA: the kernels' torch paths, kept
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with caplog.at_level("INFO"):
+        assert converters_for_batch(cfg, args) == ["float8"]  # 8,192 tokens < 16,384
+    assert "stand aside: 8,192 tokens a micro-batch, below model.converters_min_tokens = 16,384" in caplog.text
+    cfg.training.local_batch_size = 64  # 16,384 tokens: the threshold applies them
+    assert converters_for_batch(cfg, args) == cfg.model.converters
+    cfg.training.local_batch_size, cfg.model.converters_min_tokens = 1, 0  # 0: always
+    assert converters_for_batch(cfg, args) == cfg.model.converters

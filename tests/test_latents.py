@@ -26,6 +26,7 @@ from torchtitan.datasets.latents import (
     moments_std,
     read_meta,
 )
+from torchtitan.datasets.prefetch import images_to_float
 from torchtitan.datasets.prepare_latents import prepare_latents
 from torchtitan.job_config import DataLoader as DataLoaderConfig
 from torchtitan.job_config import Latent, Training
@@ -83,7 +84,7 @@ def test_interrupted_preparation_resumes_then_trains_and_decodes(tmp_path, capsy
     source = ImageFolderDataset(str(images), 16, random_flip=False)
     assert len(dataset) == 12 and dataset.num_classes == 3 and dataset.labels.tolist() == [0] * 4 + [1] * 4 + [2] * 4
     for i in (0, 7, 11):
-        x = source.load(i)[None]
+        x = images_to_float(source.load(i))[None]  # the folder's uint8 as the tokenizer takes it, [-1, 1]
         expected = torch.cat([tokenizer.encode(x), tokenizer.encode(x.flip(-1))])
         torch.testing.assert_close(dataset.raw(i).float(), expected, atol=2e-3, rtol=2e-3)  # float16 storage
 

@@ -42,9 +42,11 @@ def assert_same_losses(got: list[dict], expected: list[dict]) -> None:
 @pytest.mark.parametrize(
     "name, nproc, extra",
     [
-        ("ddp", 2, ["--parallelism.data_parallel_replicate_degree", "2", "--training.local_batch_size", "8"]),
+        # DDP over every rank as dit_xl2_latent256.toml sets it: replicate takes the rest of the world
+        ("ddp", 2, ["--parallelism.data_parallel_replicate_degree", "-1", "--parallelism.data_parallel_shard_degree",
+                    "1", "--training.local_batch_size", "8"]),
         ("fsdp", 2, ["--training.local_batch_size", "8"]),
-        # 2 micro-batches per step; blocks stay gathered from forward to backward (dit_xl2_latent256.toml's setting)
+        # 2 micro-batches per step; blocks stay gathered from forward to backward (FSDP's setting for large batches)
         ("fsdp_accum_no_reshard", 2, ["--training.local_batch_size", "4", "--parallelism.fsdp_reshard_after_forward",
                                       "never"]),
         ("hsdp", 4, ["--parallelism.data_parallel_replicate_degree", "2", "--training.local_batch_size", "4"]),

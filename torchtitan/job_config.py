@@ -85,6 +85,12 @@ class Model:
     output gradient and bias gradient in one Triton kernel; 'float8': torchao float8 Linears, options in
     [quantize.linear.float8]. The kernels run on CUDA (torch elsewhere), and fused_mlp and fused_qkv only where their
     Linears are plain and unhooked (not under DP-SGD or float8). [] trains the plain model."""
+    converters_min_tokens: int = 16384
+    """On CUDA the fused converters ('fused_norm', 'fused_mlp', 'fused_qkv') stand aside, with a log line, when a
+    GPU's micro-batch holds fewer tokens than this (local_batch_size x patches per image): each of their calls costs
+    the host about 0.3 ms in PyTorch's custom-op dispatch, and a step that small is bound by the host's launches, not
+    the GPU (DiT-XL/2 on one H200 at 32 images, 8,192 tokens: 488 images/s without them, 381 with;
+    docs/benchmark_log.md, 2026-11-27). 0: always apply them."""
     input_size: int = 0
     """Override: spatial input size (pixels or latent cells); 0 keeps the flavor's."""
     in_channels: int = 0
@@ -226,7 +232,8 @@ class Validation:
 @dataclass
 class Parallelism:
     data_parallel_replicate_degree: int = 1
-    """DDP (replicate) degree; with shard > 1 gives HSDP."""
+    """DDP (replicate) degree; with shard > 1 gives HSDP; -1 takes the rest of the world (with shard 1: DDP over
+    every rank, whatever their number)."""
     data_parallel_shard_degree: int = -1
     """FSDP degree; -1 takes the rest of the world."""
     fsdp_reshard_after_forward: str = "default"

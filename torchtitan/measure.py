@@ -3,11 +3,14 @@
     python -m torchtitan.measure [--warmup 3 --steps 10 --profile] -- --job.config_file X.toml [--key value ...]
     python -m torchtitan.measure --memory-breakdown [--forward-only] [--steps 2] -- --job.config_file X.toml
 
-Builds the Trainer in this process from train.py's arguments, with the `dummy` dataset, no checkpoints, no samples
-and no TensorBoard (a run folder of its own unless `--job.dump_folder` is given), and drives `Trainer.train_step()`:
+Builds the Trainer in this process from train.py's arguments, with the `dummy` dataset (the config's own with
+`--own-data`), no checkpoints, no samples and no TensorBoard (a run folder of its own unless `--job.dump_folder` is
+given), and drives `Trainer.train_step()`:
 warm-up steps (compilation, autotuning), then timed steps, each timed to a device sync; the result is the median
 step time through the trainer's `ThroughputMeter.rates` (the one MFU formula). The same number of steps is then run
-back to back, as training runs them, with one sync at the end: `streamed_step_time_s`, their mean. Rank 0 prints
+back to back, as training runs them, with one sync at the end: `streamed_step_time_s`, their mean, and the share of
+it the host waited for the loader (`data_time_share`). With `--own-data` the loader alone is timed last:
+`loader_images_per_second` (and per worker), what the data path can feed whatever the model. Rank 0 prints
 one line `MEASURE_RESULT {json}`, which `torchtitan.tools.runs.launch` reads: scripts/benchmark.py, the max-batch
 finder and the script grids run this module in fresh processes.
 """
@@ -32,22 +35,26 @@ MEASURE_OVERRIDES = ["--checkpoint.enable", "false", "--validation.enable", "fal
                      "false", "--metrics.enable_wandb", "false"]  # fmt: skip
 
 
-def measure_overrides(train_args: list[str]) -> list[str]:
+def measure_overrides(train_args: list[str], own_data: bool = False) -> list[str]:
     """What a measurement changes in a config: no checkpoints, validation or sinks, and the model family's own
-    (TrainSpec.measure_overrides: the DiT measures on generated images, without sample grids)."""
+    (TrainSpec.measure_overrides: the DiT measures on generated images, without sample grids); `own_data` keeps the
+    config's dataset."""
     from torchtitan.train_spec import get_train_spec
 
-    name = parse_args(train_args).model.name
-    return [*MEASURE_OVERRIDES, *get_train_spec(name).measure_overrides]
+    family = list(get_train_spec(parse_args(train_args).model.name).measure_overrides)
+    if own_data and "--training.dataset" in family:
+        at = family.index("--training.dataset")
+        del family[at : at + 2]
+    return [*MEASURE_OVERRIDES, *family]
 
 
 @contextlib.contextmanager
-def measuring_trainer(train_args: list[str]):
+def measuring_trainer(train_args: list[str], own_data: bool = False):
     """A Trainer for measurement (see the module docstring), closed on exit."""
     with tempfile.TemporaryDirectory(prefix="measure_") as tmp:
         own_folder = not any(a.split("=")[0] == "--job.dump_folder" for a in train_args)
         folder = ["--job.dump_folder", tmp] if own_folder else []
-        trainer = Trainer(parse_args([*folder, *train_args, *measure_overrides(train_args)]))
+        trainer = Trainer(parse_args([*folder, *train_args, *measure_overrides(train_args, own_data)]))
         try:
             yield trainer
         finally:
@@ -59,10 +66,11 @@ def _sync(trainer: Trainer) -> None:
         torch.cuda.synchronize(trainer.device)
 
 
-def measure_steps(train_args: list[str], warmup: int = 3, steps: int = 10, profile: bool = False) -> dict:
+def measure_steps(train_args: list[str], warmup: int = 3, steps: int = 10, profile: bool = False,
+                  own_data: bool = False) -> dict:  # fmt: skip
     """Warm step time of the trainer's `train_step()`, and what it means (images/s, TFLOP/s, MFU), peak memory
-    over the timed steps, the last loss."""
-    with measuring_trainer(train_args) as trainer:
+    over the timed steps, the last loss; with `own_data` on the config's dataset, and the loader's own rate."""
+    with measuring_trainer(train_args, own_data) as trainer:
         start = time.perf_counter()
         for _ in range(warmup):
             trainer.train_step()
@@ -78,6 +86,8 @@ def measure_steps(train_args: list[str], warmup: int = 3, steps: int = 10, profi
         summary = warm_summary(times)
         # As training runs them: back to back, one sync at the end, so the CPU may queue ahead of the GPU. Against
         # the per-step time above, the gap is what the per-step sync cost (the host's launch time hidden or not).
+        peak = peak_memory_gib(trainer.device)
+        trainer.meter.data_time = 0.0
         start = time.perf_counter()
         for _ in range(steps):
             out = trainer.train_step()
@@ -85,9 +95,11 @@ def measure_steps(train_args: list[str], warmup: int = 3, steps: int = 10, profi
         streamed_s = (time.perf_counter() - start) / steps
         loss = out["loss_sum"].item() * trainer.dp_degree / trainer.global_batch  # this rank's mean
         result = {"global_batch": trainer.global_batch, **trainer.meter.rates(summary["step_time_s"]), **summary,
-                  "streamed_step_time_s": streamed_s, "warmup_s": warmup_s, "loss": loss,
-                  "gflop_per_image": trainer.meter.flops_per_sample / 1e9,
-                  **peak_memory_gib(trainer.device)}  # fmt: skip
+                  "streamed_step_time_s": streamed_s, "data_time_share": trainer.meter.data_time / (steps * streamed_s),
+                  "warmup_s": warmup_s, "loss": loss, "gflop_per_image": trainer.meter.flops_per_sample / 1e9,
+                  **peak}  # fmt: skip
+        if own_data:
+            result.update(loader_rate(trainer, steps))
         if trainer.device.type == "cuda":
             result["device"] = torch.cuda.get_device_name(trainer.device)
         if trainer.private is not None:  # epsilon, and the per-sample norms of every step (all ranks)
@@ -95,6 +107,22 @@ def measure_steps(train_args: list[str], warmup: int = 3, steps: int = 10, profi
         if profile and trainer.device.type == "cuda":
             print_profile(trainer)
         return result
+
+
+def loader_rate(trainer: Trainer, batches: int) -> dict:
+    """This rank's host loader alone, as fast as it can hand batches over: images/s, and per loader worker (the
+    main process counts as one when there are none). The batches its workers had ready are taken first, untimed."""
+    host = trainer.dataloader.host
+    workers = trainer.job_config.training.dataloader.num_workers
+    ready = workers * trainer.job_config.training.dataloader.prefetch_factor + 1
+    for _ in range(ready):
+        next(host)
+    start = time.perf_counter()
+    for _ in range(batches):
+        next(host)
+    rate = batches * trainer.job_config.training.local_batch_size / (time.perf_counter() - start)
+    return {"loader_images_per_second": rate, "loader_images_per_second_per_worker": rate / max(workers, 1),
+            "loader_workers": workers}  # fmt: skip
 
 
 def print_profile(trainer: Trainer, steps: int = 3) -> None:
@@ -156,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3, help="steps before timing (compilation, autotuning)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps (recorded steps with --memory-breakdown)")
     parser.add_argument("--profile", action="store_true", help="also print the top CUDA kernels of 3 steps")
+    parser.add_argument("--own-data", action="store_true", help="the config's dataset, not dummy data; and time "
+                        "its loader alone")  # fmt: skip
     parser.add_argument("--memory-breakdown", action="store_true", help="record memory by stage instead of timing")
     parser.add_argument("--forward-only", action="store_true", help="with --memory-breakdown: forward under no_grad")
     parser.add_argument("--out", default="", help="with --memory-breakdown: output folder (default: run folder)")
@@ -170,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
 
             print(format_records(result["records"]))
     else:
-        result = measure_steps(train_args, args.warmup, args.steps, args.profile)
+        result = measure_steps(train_args, args.warmup, args.steps, args.profile, args.own_data)
     if int(os.environ.get("RANK", "0")) == 0:
         print(RESULT_PREFIX + json.dumps(result), flush=True)
     return 0

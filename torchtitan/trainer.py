@@ -30,6 +30,7 @@ from torchtitan.components.sampling import SampleWriter
 from torchtitan.components.step_guard import NonFiniteGuard
 from torchtitan.config_manager import ConfigError, JobConfig, check_batch_sizes, to_toml
 from torchtitan.config_validation import at, validate_layout
+from torchtitan.datasets.prefetch import DevicePrefetcher, batch_to_device
 from torchtitan.datasets.record import DataRecord, data_record
 from torchtitan.dp.training import DP_CHECKPOINT_WITHOUT_DP, PrivateTraining, resuming_without_privacy
 from torchtitan.parallelisms.parallel_dims import ParallelDims
@@ -83,7 +84,7 @@ class Trainer:
                              self.device)  # fmt: skip
         self.objective = self.train_spec.build_objective_fn(cfg, self.model_args, layout)
         poisson_steps = cfg.training.steps if cfg.dp.enable and cfg.dp.sampling == "poisson" else 0
-        self.dataloader = self.build_dataloader(poisson_steps, "train")
+        self.dataloader = DevicePrefetcher(self.build_dataloader(poisson_steps, "train"), self.device)
         self.validation_loader = self.build_dataloader(0, "validation") if cfg.validation.enable else None
         self._validation_logged = False  # the pass's size is logged once: it is the same every time
         self.private = None
@@ -264,10 +265,15 @@ class Trainer:
         """This rank's next micro-batch on the device: images, labels and the Poisson padding mask (or None)."""
         data_start = time.perf_counter()
         x, y, *mask = next(self.dataloader)  # a mask marks the padding of Poisson-sampled batches
-        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        mask = mask[0].to(self.device) if mask else None
         self.meter.data_time += time.perf_counter() - data_start
-        return x, y, mask
+        return x, y, mask[0] if mask else None
+
+    def prefetch_batch(self) -> None:
+        """Loads the next micro-batch and starts its copy to the device, once this one's work is queued (the host
+        loads while the GPU computes); not after the run's last micro-batch."""
+        data_start = time.perf_counter()
+        self.dataloader.prefetch()
+        self.meter.data_time += time.perf_counter() - data_start
 
     def grad_norm(self) -> torch.Tensor:
         """The global L2 norm of the gradients the optimizer is about to apply (FSDP shards gathered, DDP's all-reduced
@@ -286,11 +292,15 @@ class Trainer:
             NonFiniteStepError: the loss or the gradient norm of this step (host path) or the step before (device
                 path) is NaN or inf; that update was not applied.
         """
+        if self.job_config.compile.enable and self.job_config.compile.mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()  # the last step's graph outputs are no longer read
         loss_sum = torch.zeros((), device=self.device)
         loss_count = torch.zeros((), device=self.device)  # samples drawn: a Poisson batch's vary (on the device)
         for micro in range(self.grad_accum_steps):
             batch = self.next_batch()
             losses = self.forward_backward(batch, micro)
+            if self.step + 1 < self.job_config.training.steps or micro + 1 < self.grad_accum_steps:
+                self.prefetch_batch()
             mask = batch[2]
             loss_sum += (losses if mask is None else losses * mask).sum()
             loss_count += losses.shape[0] if mask is None else mask.sum()
@@ -399,7 +409,8 @@ class Trainer:
             with torch.no_grad():
                 for x, y, weight in validation_batches(dataset, batch_size, self.dp_rank, self.dp_degree,
                                                        self.job_config.debug.seed, steps):  # fmt: skip
-                    losses = self.forward_losses(x.to(self.device), y.to(self.device), self.step, 0)
+                    x, y = batch_to_device((x, y), self.device)
+                    losses = self.forward_losses(x, y, self.step, 0)
                     losses = losses.mean(1) if losses.dim() == 2 else losses  # (B,): a sequence's mean token loss
                     weight = weight.to(self.device, torch.float64)  # 0 for the padding past the split's end
                     totals += torch.stack([(losses.double() * weight).sum(), weight.sum()])

@@ -51,19 +51,23 @@ def result_table(results: list[dict]) -> str:
     memory, median step time (and, where measured, the mean step time of steps run back to back)."""
     lm = any("tokens_per_second" in r for r in results)
     unit = "tokens/s" if lm else "images/s"
-    streamed = any("streamed_step_time_s" in r for r in results)
+    # Optional columns, shown when any run measured them: (header, key, format of the value).
+    optional = [("streamed ms", "streamed_step_time_s", lambda v: f"{1000 * v:.1f}"),
+                ("data %", "data_time_share", lambda v: f"{100 * v:.1f}"),
+                ("loader img/s per worker", "loader_images_per_second_per_worker", lambda v: f"{v:.0f}")]  # fmt: skip
+    optional = [column for column in optional if any(column[1] in r for r in results)]
     header = f"| case | batch | {unit} | TFLOP/s | MFU % | peak mem GiB | step ms |"
-    header += " streamed ms |" if streamed else ""
+    header += "".join(f" {name} |" for name, _, _ in optional)
     rows = [header, "|---" * header.count(" |") + "|"]
     for r in results:
+        extra = "".join(f" {fmt(r[key])} |" if key in r else " |" for _, key, fmt in optional)
         if r["status"] != "ok":
-            rows.append(f"| {r['name']} | | {r['status']} | | | | |" + (" |" if streamed else ""))
+            rows.append(f"| {r['name']} | | {r['status']} | | | | |" + " |" * len(optional))
             continue
         tflops = f"{r['tflops']:.1f}" if "tflops" in r else "n/a"
         mfu = f"{r['mfu']:.1f}" if "mfu" in r else "n/a"
         mem = f"{r['memory_peak_active_gib']:.1f}" if "memory_peak_active_gib" in r else "n/a"
         rate = f"{r['tokens_per_second']:,.0f}" if lm else f"{r['images_per_second']:.1f}"
-        extra = f" {1000 * r['streamed_step_time_s']:.1f} |" if "streamed_step_time_s" in r else (" |" * streamed)
         rows.append(f"| {r['name']} | {r['global_batch']} | {rate} | {tflops} | {mfu} | "
                     f"{mem} | {1000 * r['step_time_s']:.1f} |{extra}")  # fmt: skip
     return "\n".join(rows)

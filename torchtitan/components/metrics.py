@@ -24,6 +24,7 @@ _NAMESPACED = {
     "mfu": "throughput/mfu",
     "step_time_s": "time/step_s",
     "data_time_s": "time/data_s",
+    "data_time_share": "time/data_share",
     "memory_peak_active_gib": "memory/peak_active_gib",
     "memory_peak_reserved_gib": "memory/peak_reserved_gib",
     "dp_epsilon": "dp/epsilon",
@@ -64,6 +65,9 @@ class ThroughputMeter:
         steps = max(self.steps, 1)
         out = self.rates(elapsed / steps)
         out["data_time_s"] = self.data_time / steps
+        # The share of the step the host spent waiting for the loader: batches come a step ahead, so a large share
+        # means the loader cannot keep up and the GPU starves.
+        out["data_time_share"] = self.data_time / elapsed if elapsed > 0 else 0.0
         out.update(peak_memory_gib(self.device))
         return out
 
@@ -162,7 +166,8 @@ class MetricsLogger:
             parts.append(c(36, f"images/s {r['images_per_second']:,.1f}"))
         if "mfu" in r:
             parts.append(c(35, f"mfu {r['mfu']:.1f}% tflops {r['tflops']:.1f}"))
-        parts.append(f"step {r['step_time_s'] * 1000:.0f}ms data {r['data_time_s'] * 1000:.1f}ms")
+        share = f" ({100 * r['data_time_share']:.0f}%)" if "data_time_share" in r else ""
+        parts.append(f"step {r['step_time_s'] * 1000:.0f}ms data {r['data_time_s'] * 1000:.1f}ms{share}")
         if "memory_peak_active_gib" in r:
             parts.append(c(34, f"mem {r['memory_peak_active_gib']:.2f}GiB"))
         if "dp_epsilon" in r:

@@ -113,7 +113,7 @@ def _loader(dataset: Dataset, training_config, dp_rank: int, dp_world: int, seed
         local = training_config.local_batch_size
         sampler = PoissonBatchSampler(len(dataset), local * dp_world / len(dataset), poisson_steps, seed, dp_rank,
                                       dp_world)  # fmt: skip
-        return PoissonDataLoader(dataset, sampler, local)
+        return PoissonDataLoader(dataset, sampler, local, training_config.dataloader)
     return DiffusionDataLoader(
         dataset, training_config.local_batch_size, dp_rank, dp_world, seed, training_config.dataloader
     )

@@ -5,11 +5,19 @@ from torch.utils.data import Dataset
 
 
 class DummyDataset(Dataset):
-    """Deterministic Gaussian 'images' (C, H, W) and labels, a fixed pool reused by index."""
+    """Deterministic 'images' (C, H, W) and labels, a fixed pool reused by index.
+
+    Three channels are RGB pixels: uint8 in [0, 255], as an image folder's travel (the device maps them to
+    [-1, 1]); any other number of channels are latents: Gaussian float32.
+    """
 
     def __init__(self, channels: int, image_size: int, num_classes: int, length: int = 1 << 20, pool: int = 256):
         generator = torch.Generator().manual_seed(0)
-        self.images = torch.randn(pool, channels, image_size, image_size, generator=generator)
+        shape = (pool, channels, image_size, image_size)
+        if channels == 3:
+            self.images = torch.randint(0, 256, shape, generator=generator, dtype=torch.uint8)
+        else:
+            self.images = torch.randn(shape, generator=generator)
         self.labels = torch.randint(0, max(num_classes, 1), (pool,), generator=generator)
         self.length = length
         self.num_classes = num_classes

@@ -62,7 +62,8 @@ def list_image_folder(root: str) -> tuple[list[tuple[Path, int]], list[str]]:
 
 
 class ImageFolderDataset(Dataset):
-    """RGB images (3, size, size) in [-1, 1] with random horizontal flips.
+    """RGB images (3, size, size) as uint8 with random horizontal flips; the device maps them to [-1, 1]
+    (torchtitan.datasets.prefetch), so a batch crosses the loader's workers and PCIe at a quarter of float32's size.
 
     Args:
         root: the folder of class subfolders.
@@ -91,10 +92,12 @@ class ImageFolderDataset(Dataset):
     def _read(self, path: Path) -> torch.Tensor:
         with Image.open(path) as image:
             image = center_crop_arr(image.convert("RGB"), self.image_size)
-        return torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1).float() / 127.5 - 1.0
+        # (H, W, 3) -> (3, H, W) in numpy: torch's strided uint8 copy (permute + contiguous) took 8 ms of a 256 px
+        # image's 9 on a 2-core host, numpy's 0.15 ms.
+        return torch.from_numpy(np.ascontiguousarray(np.asarray(image).transpose(2, 0, 1)))  # (3, H, W) uint8
 
     def load(self, index: int) -> torch.Tensor:
-        """The center-cropped image (3, H, W) in [-1, 1], not flipped.
+        """The center-cropped image (3, H, W), uint8, not flipped.
 
         Raises:
             UnreadableImageError: the file cannot be read or decoded (truncated, corrupt); the message names it.
@@ -132,5 +135,5 @@ class ImageFolderDataset(Dataset):
         else:
             image = self.load(index)
         if self.random_flip and torch.rand(()) < 0.5:
-            image = image.flip(-1)
+            image = torch.from_numpy(image.numpy()[:, :, ::-1].copy())  # as above: numpy's copy, not torch's flip
         return image, self.samples[index][1]

@@ -106,29 +106,88 @@ class PoissonDataLoader:
     Yields (images, labels, mask): padding rows repeat an example and have mask False, so they add
     nothing to the private gradient while shapes stay static. The padded size leaves 6 standard
     deviations of headroom over the expected share; a larger draw raises rather than being truncated.
+
+    Each step's batch is a pure function of (seed, step), so `num_workers` worker processes build whole
+    batches ahead of the step that needs them (one map-style item per step). The checkpointed position
+    is the step handed out next, not how far the workers have read ahead. Past the sampler's `num_steps`
+    the draws go on (steps past the run's end: measurements drive more steps than a config trains).
+
+    Args:
+        dataset: (input, label) pairs; inputs are stacked as the dataset gives them (no dtype change).
+        batch_sampler: a PoissonBatchSampler; its `step` is the next step handed out.
+        expected_local_batch: this rank's expected share of a step's batch.
+        dataloader_config: the `[training.dataloader]` section (num_workers, pin_memory, persistent_workers,
+            prefetch_factor); None loads in this process, unpinned.
     """
 
-    def __init__(self, dataset: Dataset, batch_sampler, expected_local_batch: int):
+    class _StepBatches(Dataset):
+        """Item s: step s's padded batch (inputs, long labels, mask), built where it is read (a worker or here)."""
+
+        def __init__(self, dataset: Dataset, batch_sampler, padded_size: int):
+            self.dataset, self.batch_sampler, self.padded_size = dataset, batch_sampler, padded_size
+
+        def __getitem__(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            from torchtitan.dp.noise import block_seed
+            from torchtitan.dp.sampling import pad_batch
+
+            if torch.utils.data.get_worker_info() is not None:
+                # A worker's random augmentations (flips) as a function of the step, as the batch is, so a
+                # resumed run reads the same batches whichever worker builds each; in this process they draw
+                # from the global generator, which the checkpoint restores.
+                sampler = self.batch_sampler
+                torch.manual_seed(block_seed(sampler.seed, step, "poisson_loader", sampler.rank))
+            indices, mask = pad_batch(self.batch_sampler.batch(step), self.padded_size)
+            items = [self.dataset[i] for i in indices]
+            inputs = torch.stack([x for x, _ in items])  # images, or token windows
+            labels = torch.stack([torch.as_tensor(label, dtype=torch.long) for _, label in items])  # (B,) or (B, T)
+            return inputs, labels, mask
+
+    class _StepsFrom:
+        """The steps from the sampler's `step` on, endless; read when an iteration (re)starts."""
+
+        def __init__(self, batch_sampler):
+            self.batch_sampler = batch_sampler
+
+        def __iter__(self):
+            step = self.batch_sampler.step
+            while True:
+                yield step
+                step += 1
+
+    def __init__(self, dataset: Dataset, batch_sampler, expected_local_batch: int, dataloader_config=None):
         self.dataset = dataset
         self.batch_sampler = batch_sampler  # PoissonBatchSampler: batch(step), step, state_dict()
         self.padded_size = int(expected_local_batch + 6 * expected_local_batch**0.5 + 8)
+        workers = dataloader_config.num_workers if dataloader_config is not None else 0
+        self.loader = torch.utils.data.DataLoader(
+            self._StepBatches(dataset, batch_sampler, self.padded_size),
+            batch_size=None,  # an item is already a whole batch
+            sampler=self._StepsFrom(batch_sampler),
+            num_workers=workers,
+            persistent_workers=workers > 0 and dataloader_config.persistent_workers,
+            pin_memory=dataloader_config is not None and dataloader_config.pin_memory and torch.cuda.is_available(),
+            prefetch_factor=dataloader_config.prefetch_factor if workers > 0 else None,
+            # Workers' base seeds from a generator of our own: each new iteration (a resume) would otherwise draw
+            # from the global generator and shift the training's noise and timesteps.
+            generator=torch.Generator().manual_seed(batch_sampler.seed),
+        )
+        self._iterator = None  # started at the first batch, so a resume's load_state_dict starts no workers
 
     def __iter__(self):
         return self
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        from torchtitan.dp.sampling import pad_batch
-
-        indices, mask = pad_batch(self.batch_sampler.batch(self.batch_sampler.step), self.padded_size)
+        if self._iterator is None:
+            self._iterator = iter(self.loader)  # from batch_sampler.step on
+        inputs, labels, mask = next(self._iterator)  # in step order: the loader keeps its sampler's order
         self.batch_sampler.step += 1
-        items = [self.dataset[i] for i in indices]
-        inputs = torch.stack([x for x, _ in items])  # images, or token windows
-        labels = torch.stack([torch.as_tensor(label, dtype=torch.long) for _, label in items])  # (B,) or (B, T)
         return inputs, labels, mask
 
     def state_dict(self) -> dict:
         return self.batch_sampler.state_dict()
 
     def load_state_dict(self, state: dict, same_layout: bool = True) -> None:
-        """The step counter: each step's Poisson draw is the same whatever the number of ranks."""
+        """The step counter: each step's Poisson draw is the same whatever the number of ranks. Batches the
+        workers built ahead are dropped, and the next batch is the saved step's."""
         self.batch_sampler.load_state_dict(state)
+        self._iterator = None  # without persistent workers its workers stop; with them, iter() resets them

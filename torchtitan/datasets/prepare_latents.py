@@ -36,6 +36,7 @@ from torchtitan.datasets.latents import (
     shard_name,
     shard_tokenizer,
 )
+from torchtitan.datasets.prefetch import images_to_float
 from torchtitan.tools.logging import logger
 
 STORAGE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -116,7 +117,7 @@ def encode_shard(tokenizer, images: Dataset, batch_size: int, num_workers: int, 
     loader = DataLoader(images, batch_size=batch_size, num_workers=num_workers, shuffle=False)
     latents, labels, moments = [], [], []
     for x, y in loader:
-        n = x.shape[0]
+        x, n = images_to_float(x), x.shape[0]  # an image folder's uint8 -> [-1, 1]
         # One call for the image and its mirror: twice the batch, better use of the GPU.
         z = tokenizer.encode(torch.cat([x, x.flip(-1)]) if flip else x)  # (V*n, C, h, w)
         z = z.view(-1, n, *z.shape[1:]).transpose(0, 1)  # (n, V, C, h, w)
@@ -151,7 +152,7 @@ def prepare_latents(source: Dataset, out: str | Path, tokenizer, *, image_size: 
                     num_workers: int = 0, flip: bool = True, normalization: str = "channel",
                     scale_factor: float = 0.18215, dtype: str = "float16", max_shards: int = 0, rank: int = 0,
                     world_size: int = 1, description: str = "", checkpoint_dir: str | Path = "") -> bool:  # fmt: skip
-    """Encodes `source` ((image (3, H, W) in [-1, 1], label) pairs, unflipped) into shards under `out`.
+    """Encodes `source` ((image (3, H, W) in [-1, 1] or uint8, label) pairs, unflipped) into shards under `out`.
 
     `checkpoint_dir` is the tokenizer's folder: meta.json records the sha256 of its decoder files, which every
     later decoding checks (`check_tokenizer_matches`); without it (or without a decoder file there) none is recorded.

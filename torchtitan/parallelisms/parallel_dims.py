@@ -8,7 +8,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 @dataclass
 class ParallelDims:
-    """Replicate x shard = world size (validated by config_validation.validate_layout); shard = -1 takes the rest.
+    """Replicate x shard = world size (validated by config_validation.validate_layout); a degree of -1 (one of them)
+    takes the rest.
 
     replicate > 1, shard == 1: DDP; shard > 1: FSDP; both > 1: HSDP on a 2D mesh.
     """
@@ -24,6 +25,8 @@ class ParallelDims:
         # The degrees were validated with the world size (config_validation.validate_layout): only resolve -1.
         if self.dp_shard == -1:
             self.dp_shard = self.world_size // self.dp_replicate
+        if self.dp_replicate == -1:
+            self.dp_replicate = self.world_size // self.dp_shard
 
     @property
     def dp_degree(self) -> int:

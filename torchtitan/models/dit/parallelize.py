@@ -5,6 +5,7 @@ AC wraps the converted block, compile then traces the wrapped block (so the reco
 FSDP shards last so its hooks sit outside the compiled code. Under DP-SGD compile comes before AC (see below).
 """
 
+import torch
 from torch import nn
 
 from torchtitan.parallelisms.parallel_dims import ParallelDims
@@ -16,6 +17,23 @@ from torchtitan.parallelisms.utils import (
     compile_scope,
     full_graph,
 )
+from torchtitan.tools.logging import logger
+
+HOST_BOUND_CONVERTERS = ("fused_norm", "fused_mlp", "fused_qkv")  # Python custom ops: host time on every call
+
+
+def converters_for_batch(job_config, args) -> list[str]:
+    """`model.converters` without the fused ones on CUDA when a micro-batch is below `model.converters_min_tokens`
+    tokens, where their host time per call costs more than their kernels save (see that key)."""
+    names = list(job_config.model.converters)
+    tokens = job_config.training.local_batch_size * (args.input_size // args.patch_size) ** 2
+    if not torch.cuda.is_available() or tokens >= job_config.model.converters_min_tokens:
+        return names
+    dropped = [name for name in names if name in HOST_BOUND_CONVERTERS]
+    if dropped:
+        logger.info(f"model converters {dropped} stand aside: {tokens:,} tokens a micro-batch, below "
+                    f"model.converters_min_tokens = {job_config.model.converters_min_tokens:,}")  # fmt: skip
+    return [name for name in names if name not in HOST_BOUND_CONVERTERS]
 
 
 def parallelize_dit(model: nn.Module, parallel_dims: ParallelDims, job_config) -> nn.Module:
@@ -29,7 +47,8 @@ def parallelize_dit(model: nn.Module, parallel_dims: ParallelDims, job_config) -
     checkpointed = checkpointed_blocks(len(model.blocks), ac.mode, ac.selective_ac_option)
     compile_config = job_config.compile
     compiled = compile_config.enable and "model" in compile_config.components  # scope "model": one device
-    conversion = apply_converters(model, job_config.model.converters, checkpointed, job_config.quantize.linear.float8,
+    names = converters_for_batch(job_config, model.args)
+    conversion = apply_converters(model, names, checkpointed, job_config.quantize.linear.float8,
                                   parallel_dims.fsdp_enabled, compiled)  # fmt: skip
     model.float8_fsdp_all_gather = conversion.float8_fsdp_all_gather  # read by the trainer after each step
     if ac.mode != "none":

@@ -1,0 +1,50 @@
+"""DevicePrefetcher: a batch fetched a step ahead is not lost to a checkpoint, and pixels reach the model as before.
+
+The trainer-level proof is tests/test_train.py::test_killed_run_resumes_bitwise: every step prefetches the next
+batch before its checkpoint is saved, and the resumed run's losses equal the uninterrupted run's bit for bit.
+"""
+
+import torch
+
+from torchtitan.config_manager import JobConfig
+from torchtitan.datasets import DiffusionDataLoader
+from torchtitan.datasets.digits import DigitsDataset
+from torchtitan.datasets.dummy import DummyDataset
+from torchtitan.datasets.prefetch import DevicePrefetcher, batch_to_device
+
+
+def _loader(data) -> DiffusionDataLoader:
+    return DiffusionDataLoader(
+        data, 16, dp_rank=0, dp_world=1, seed=3, dataloader_config=JobConfig().training.dataloader
+    )
+
+
+def test_the_state_is_the_one_before_the_batch_fetched_ahead():
+    data = DigitsDataset(8)
+    plain = _loader(data)
+    expected = [next(plain) for _ in range(6)]
+    feed = DevicePrefetcher(_loader(data), torch.device("cpu"))
+    for i in range(3):
+        x, y = next(feed)
+        assert torch.equal(x, expected[i][0]) and torch.equal(y, expected[i][1])
+    feed.prefetch()  # batch 3 is fetched ahead: the host loader has moved past it
+    state = feed.state_dict()
+    assert state["loader"]["_num_yielded"] == 3 and feed.host.state_dict()["loader"]["_num_yielded"] == 4
+    resumed = DevicePrefetcher(_loader(data), torch.device("cpu"))
+    resumed.prefetch()  # a stale batch from the fresh position is dropped by the load
+    resumed.load_state_dict(state)
+    for i in range(3, 6):
+        x, y = next(resumed)
+        assert torch.equal(x, expected[i][0]) and torch.equal(y, expected[i][1]), i
+
+
+def test_pixels_travel_as_uint8_and_arrive_in_the_unit_range():
+    data = DummyDataset(3, 8, 10)
+    image, _ = data[0]
+    assert image.dtype == torch.uint8
+    (x, y), (images, labels) = next(DevicePrefetcher(_loader(data), torch.device("cpu"))), next(_loader(data))
+    assert x.dtype == torch.float32 and torch.equal(x, images.float() / 127.5 - 1.0)  # the host's old arithmetic
+    torch.testing.assert_close(x.double(), images.double() / 127.5 - 1, rtol=0, atol=1e-7)  # float32 rounding
+    assert torch.equal(y, labels)
+    latents = DummyDataset(4, 8, 10)[0][0]  # other channel counts are latents: float32 as they are
+    assert latents.dtype == torch.float32 and torch.equal(batch_to_device((latents,), torch.device("cpu"))[0], latents)
