@@ -7,11 +7,18 @@
 `--checkpoint` is a run folder (its `config.toml`; the weights of `ema.safetensors` when the run exported
 them, else the newest complete DCP checkpoint under its checkpoint folder), a DCP step folder
 (`RUN/checkpoint/step-N`) or an exported `.safetensors` file. From a DCP checkpoint the EMA weights are
-loaded when it has them, else the live model's. Weights load into a plain single-process model: DCP reads
-every shard itself, so no process group is needed. Latent models are decoded through the run's
-`[latent]` tokenizer (its decoder alone), un-normalized with the statistics stored beside the run's
-prepared data; a tokenizer other than the one those latents were encoded with is refused before sampling
-(`--allow-tokenizer-mismatch` decodes anyway).
+loaded when it has them, else the live model's. A facebookresearch/DiT `.pt` file (a released state dict
+or its train.py's checkpoint, whose EMA is taken) needs no run folder: `--flavor` names its shapes and
+`--section.key value` config overrides adjust them (`--model.learn_sigma false`, `--model.input_size 64`)
+or set the rest (`--latent.tokenizer`, ...); its fixed sin-cos positions set `model.pos_embed = "sincos"`:
+
+    python sample.py --checkpoint DiT-XL-2-256x256.pt --flavor DiT-XL/2 [--model.KEY V ...] --out grid.png
+
+(its outputs are the reference's SD-VAE latents: a grid needs a `--latent.*` decoder). Weights load into a
+plain single-process model: DCP reads every shard itself, so no process group is needed. Latent models are
+decoded through the run's `[latent]` tokenizer (its decoder alone), un-normalized with the statistics stored
+beside the run's prepared data; a tokenizer other than the one those latents were encoded with is refused
+before sampling (`--allow-tokenizer-mismatch` decodes anyway).
 Arguments that cannot give images (`--cfg-scale nan`, `--num-samples 0`, ...) exit with code 2 and one
 `error:` line naming the flag; so do a run of another model than a DiT, and a checkpoint whose pickles name
 code (read through an allow-list, docs/checkpoint.md: nothing it names runs).
@@ -60,10 +67,26 @@ def check_is_dit_run(config_file: Path) -> None:
                          "(model.name = 'dit')")  # fmt: skip
 
 
-def resolve_checkpoint(path: Path, config: str = "") -> tuple[JobConfig, Path]:
-    """(the run's config, the weights: a .safetensors file or a DCP step folder)."""
+def dit_pt_config(flavor: str, config: str, overrides: list[str]) -> JobConfig:
+    """The config of a facebookresearch/DiT `.pt` file: a DiT of `flavor` with its fixed sin-cos positions, then
+    the `--config` TOML and the `--section.key value` overrides."""
+    if not flavor and not any(arg.partition("=")[0] == "--model.flavor" for arg in overrides):
+        raise ValueError("--flavor: a .pt checkpoint has no run config; name its shapes' flavor, e.g. DiT-XL/2")
+    argv = ["--job.config_file", config] if config else []
+    argv += ["--model.name", "dit", "--model.pos_embed", "sincos"] + (["--model.flavor", flavor] if flavor else [])
+    return parse_args(argv + overrides)
+
+
+def resolve_checkpoint(path: Path, config: str = "", flavor: str = "",
+                       overrides: list[str] | None = None) -> tuple[JobConfig, Path]:  # fmt: skip
+    """(the run's config, the weights: a .safetensors file, a DCP step folder or a facebookresearch/DiT .pt)."""
     if not path.exists():
         raise FileNotFoundError(f"--checkpoint: {path} does not exist")
+    if path.suffix == ".pt":
+        return dit_pt_config(flavor, config, overrides or []), path
+    if flavor or overrides:
+        raise ValueError(f"--flavor and --section.key overrides are for .pt checkpoints: {path} is a run's, whose "
+                         "config.toml gives the model")  # fmt: skip
     config_file = Path(config) if config else find_config(path if path.is_dir() else path.parent)
     check_is_dit_run(config_file)
     cfg = parse_args(["--job.config_file", str(config_file)])
@@ -109,7 +132,12 @@ def load_model(cfg: JobConfig, weights: Path, device: torch.device):
         model = spec.model_cls(model_args)
     model.to_empty(device=device)
     model.init_weights()  # also computes the non-persistent buffers (positions) the weights file lacks
-    if weights.is_file():
+    if weights.suffix == ".pt":
+        from torchtitan.models.dit.state_dict_adapter import read_dit_pt
+
+        model.load_state_dict(read_dit_pt(weights, model_args), strict=True)
+        which = f"facebookresearch/DiT weights of {weights}"
+    elif weights.is_file():
         from safetensors.torch import load_file
 
         model.load_state_dict(load_file(str(weights), device=str(device)), strict=True)
@@ -222,9 +250,12 @@ def write_npz(sampler: Sampler, args, classes: list[int], rank: int, world: int)
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
+    """The flags; `--section.key value` config overrides (for a .pt checkpoint) are left in `overrides`."""
     parser = argparse.ArgumentParser(description="Sample images from a TorchDiTan checkpoint.")
-    parser.add_argument("--checkpoint", required=True, help="run folder, DCP step folder or .safetensors export")
+    parser.add_argument("--checkpoint", required=True,
+                        help="run folder, DCP step folder, .safetensors export, facebookresearch/DiT .pt")  # fmt: skip
     parser.add_argument("--config", default="", help="config.toml (default: the run's)")
+    parser.add_argument("--flavor", default="", help="a .pt checkpoint's flavor, e.g. DiT-XL/2")
     parser.add_argument("--num-samples", type=int, default=16)
     parser.add_argument("--classes", default="", help="comma-separated class indices, cycled over the samples")
     parser.add_argument("--cfg-scale", type=float, default=None, help="default: the run's sampling.cfg_scale")
@@ -242,7 +273,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="decode even if meta.json records another tokenizer (latent.allow_tokenizer_mismatch)",
     )
-    return parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    # Config overrides look like train.py's (--model.learn_sigma false); anything else is a mistyped flag.
+    flags = [arg for arg in rest if arg.startswith("-")]
+    unknown = [arg for arg in flags if not (arg.startswith("--") and "." in arg.partition("=")[0])]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.overrides = rest
+    return args
 
 
 def parse_classes(text: str) -> list[int]:
@@ -283,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     try:
-        cfg, weights = resolve_checkpoint(Path(args.checkpoint), args.config)
+        cfg, weights = resolve_checkpoint(Path(args.checkpoint), args.config, args.flavor, args.overrides)
         cfg.latent.checkpoint_dir = args.tokenizer_dir or cfg.latent.checkpoint_dir
         cfg.training.dataset_path = args.latent_stats or cfg.training.dataset_path
         cfg.latent.allow_tokenizer_mismatch = args.allow_tokenizer_mismatch or cfg.latent.allow_tokenizer_mismatch

@@ -1,6 +1,6 @@
 """Llama 3 through the very trainer the DiT uses (train.py, one TrainSpec registration): the embedded text trains and
 its validation perplexity falls, a resumed run equals an uninterrupted one, the logs speak in tokens, and a Hugging
-Face folder is the starting point (`checkpoint.initial_load_in_hf`) with logits equal to transformers' (1e-5)."""
+Face folder is the starting point (`checkpoint.initial_load_format 'hf'`) with logits equal to transformers' (1e-5)."""
 
 import importlib.util
 import json
@@ -159,7 +159,7 @@ def _hf_folder(path, hidden_size: int = 64, num_labels: int = 0, **config):
 
 def _hf_args(folder, *flags) -> list[str]:
     """Flags that start a debugmodel run from the Hugging Face folder `folder`."""
-    return [*SHORT, "--job.dump_folder", str(folder.parent / "run"), "--checkpoint.initial_load_in_hf", "true",
+    return [*SHORT, "--job.dump_folder", str(folder.parent / "run"), "--checkpoint.initial_load_format", "hf",
             "--checkpoint.initial_load_path", str(folder), *flags]  # fmt: skip
 
 
@@ -188,7 +188,7 @@ def test_trainer_starts_from_a_hugging_face_folder(tmp_path, ac):
             weights.write_bytes(weights.read_bytes()[:1000])
             with pytest.raises(ConfigError, match=r"checkpoint.initial_load_path = .*model.safetensors: not a "
                                                   r"readable safetensors file"):  # fmt: skip
-                trainer.load_hf_weights(str(tmp_path / "hf"))
+                trainer.load_initial_weights(str(tmp_path / "hf"), "hf")
     finally:
         trainer.close()
 
@@ -255,8 +255,9 @@ def test_bad_hugging_face_folder_is_one_error_line(tmp_path, monkeypatch, capsys
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith(f"error: checkpoint.initial_load_path = '{tmp_path / 'hf'}'"), last
     assert "config.json: not a Llama config (model_type 'gpt2', architectures ['GPT2LMHeadModel'])" in last
-    with pytest.raises(ConfigError, match="checkpoint.initial_load_in_hf.*model.name 'dit'.*none"):
-        parse_args(["--checkpoint.initial_load_in_hf", "true", "--checkpoint.initial_load_path", "x"])
+    with pytest.raises(ConfigError, match=r"checkpoint.initial_load_format.*model.name 'dit'.*no 'hf' weights.*"
+                                          r"\['dcp', 'dit_pt', 'diffusers'\]"):  # fmt: skip
+        parse_args(["--checkpoint.initial_load_format", "hf", "--checkpoint.initial_load_path", "x"])
 
 
 def test_family_keys_are_refused_by_name():

@@ -144,10 +144,23 @@ _REMOVED_KEYS = {
 }
 
 
+# Keys of older releases replaced by another key, with what to write instead when the old one asks for something.
+_REPLACED_KEYS = {
+    "checkpoint.initial_load_in_hf": "checkpoint.initial_load_format = 'hf' (a Hugging Face folder; 'dcp', the "
+    "default, reads our checkpoints, 'dit_pt' a facebookresearch/DiT .pt)",
+}
+_RETIRED_KEYS = frozenset(_REMOVED_KEYS) | frozenset(_REPLACED_KEYS)
+
+
 def _check_removed_key(key: str, value, source: str) -> None:
-    """Raises for a removed key (_REMOVED_KEYS) with the model.converters to write instead. A value that asks for
-    nothing is let through: quantize.linear.float8.enable = false, and '' for the fused switches, as resolved
-    config.toml files of older runs hold them (sample.py reads those)."""
+    """Raises for a removed key (_REMOVED_KEYS) with the key (_REPLACED_KEYS) or model.converters to write instead.
+    A value that asks for nothing is let through: quantize.linear.float8.enable = false,
+    checkpoint.initial_load_in_hf = false, and '' for the fused switches, as resolved config.toml files of older runs
+    hold them (sample.py reads those)."""
+    if key in _REPLACED_KEYS:
+        if value in (False, "false", "False", "0"):
+            return
+        raise ConfigError(f"{key} = {value!r} in {source}: removed; use {_REPLACED_KEYS[key]}")
     converter = _REMOVED_KEYS[key]
     if value == "" or (converter == "float8" and value in (False, "false", "False", "0")):
         return
@@ -170,7 +183,7 @@ def _without_removed_keys(argv: list[str]) -> list[str]:
     out, i = [], 0
     while i < len(argv):
         name, has_value, value = argv[i].partition("=")
-        if name.startswith("--") and name[2:] in _REMOVED_KEYS:
+        if name.startswith("--") and name[2:] in _RETIRED_KEYS:
             if not has_value:
                 value = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else None
                 i += value is not None
@@ -210,7 +223,7 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{config_file} is not valid TOML: {e}") from e
         for key, value in _flatten_toml(data).items():
-            if key in _REMOVED_KEYS:
+            if key in _RETIRED_KEYS:
                 _check_removed_key(key, value, config_file)
                 continue
             if key not in fields:

@@ -44,6 +44,7 @@ _CHOICES = {
     "training.mixed_precision_reduce": ("float32", "bfloat16"),
     "parallelism.fsdp_reshard_after_forward": ("default", "always", "never"),
     "checkpoint.async_mode": ("disabled", "async"),
+    "checkpoint.initial_load_format": ("dcp", "hf", "dit_pt", "diffusers"),
     "checkpoint.export_dtype": ("float32", "bfloat16"),
     "activation_checkpoint.mode": ("none", "full", "selective"),
     "compile.mode": ("default", "max-autotune-no-cudagraphs"),
@@ -188,10 +189,14 @@ def _check_family(cfg, spec, args, errors: list[str]) -> None:
         errors.append(f"{at(cfg, 'training.dataset')}: {name} reads {list(spec.datasets)}")
     if cfg.validation.enable and not spec.has_validation_split:
         errors.append(f"{at(cfg, 'validation.enable')}: {name} trains on datasets without a held-out split")
-    if cfg.checkpoint.initial_load_in_hf and (spec.read_hf_fn is None or not cfg.checkpoint.initial_load_path):
-        errors.append(f"{at(cfg, 'checkpoint.initial_load_in_hf')}: needs checkpoint.initial_load_path (a Hugging "
-                      f"Face model folder) and a model family with that format; {name} has "
-                      f"{'one' if spec.read_hf_fn else 'none'}")  # fmt: skip
+    load_format = cfg.checkpoint.initial_load_format
+    if load_format != "dcp" and load_format in _CHOICES["checkpoint.initial_load_format"]:  # else: _check_choices
+        if load_format not in spec.weight_readers:
+            errors.append(f"{at(cfg, 'checkpoint.initial_load_format')}: {name} has no {load_format!r} weights; it "
+                          f"reads {['dcp', *spec.weight_readers]}")  # fmt: skip
+        elif not cfg.checkpoint.initial_load_path:
+            errors.append(f"{at(cfg, 'checkpoint.initial_load_format')}: {load_format!r} needs "
+                          "checkpoint.initial_load_path (the file or folder to start from)")  # fmt: skip
     if spec.name == "dit":
         return
     if getattr(args, "num_labels", 0) > 0 and cfg.training.dataset != "synthetic_classification":

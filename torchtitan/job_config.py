@@ -258,12 +258,17 @@ class Checkpoint:
     load_step: int = -1
     """Resume from this step instead of the newest (-1: newest)."""
     initial_load_path: str = ""
-    """Checkpoint folder to start from when the run has none of its own."""
-    initial_load_in_hf: bool = False
-    """initial_load_path is a Hugging Face model folder (config.json + *.safetensors, Llama 3): its weights are the
-    starting point (model only), converted by torchtitan/models/llama3/state_dict_adapter.py, and its config.json
-    gives the model's norm eps, RoPE theta and scaling and max positions (the flavor's shapes are checked against
-    it). The folder is read whenever the run starts, resumes included."""
+    """Checkpoint (folder or file, see initial_load_format) to start from when the run has none of its own."""
+    initial_load_format: str = "dcp"
+    """What initial_load_path is. 'dcp': one of our DCP checkpoints (model and EMA). 'hf': a Hugging Face model
+    folder (config.json + *.safetensors, Llama 3), converted by torchtitan/models/llama3/state_dict_adapter.py; its
+    config.json gives the model's norm eps, RoPE theta and scaling and max positions (the flavor's shapes are
+    checked against it). 'dit_pt': a facebookresearch/DiT `.pt` file (a plain state dict, or train.py's checkpoint,
+    whose EMA is taken), converted by torchtitan/models/dit/state_dict_adapter.py; needs model.pos_embed =
+    'sincos' and a flavor of the file's shapes. 'diffusers': a diffusers DiTTransformer2DModel folder (or a
+    DiTPipeline folder holding one), converted by torchtitan/models/dit/diffusers_adapter.py; its config must equal
+    the model's. From 'hf', 'dit_pt' and 'diffusers' the model only: the EMA starts at the loaded weights. The file
+    or folder is read whenever the run starts with no checkpoint of its own."""
     last_save_model_only: bool = False
     """The final checkpoint holds model and EMA only."""
     export_dtype: str = "float32"

@@ -56,8 +56,9 @@ class TrainSpec:
         datasets: the `training.dataset` values the family reads.
         has_validation_split: whether its datasets hold out a split for `[validation]`.
         measure_overrides: train.py flags a measurement (torchtitan.measure) adds for this family.
-        read_hf_fn: (folder, model_args) -> the full state dict of a Hugging Face model folder, checked
-            (`checkpoint.initial_load_in_hf`); None: the family has no Hugging Face format.
+        weight_readers: `checkpoint.initial_load_format` -> (path, model_args) -> the full state dict (our names,
+            every key and shape checked) of starting weights in that format, e.g. {"hf": ...} for a Hugging Face
+            folder; raises FileNotFoundError or ValueError naming the file. DCP ("dcp") needs no reader.
     """
 
     name: str
@@ -71,7 +72,7 @@ class TrainSpec:
     datasets: tuple[str, ...]
     has_validation_split: bool = False
     measure_overrides: tuple[str, ...] = ()
-    read_hf_fn: Callable[[Any, Any], dict] | None = None
+    weight_readers: dict[str, Callable[[Any, Any], dict]] = dataclasses.field(default_factory=dict)
 
 
 _registry: dict[str, TrainSpec] = {}

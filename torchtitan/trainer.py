@@ -160,8 +160,8 @@ class Trainer:
         with resuming:
             self.step = self.checkpointer.maybe_load()
         self.guard = NonFiniteGuard(self.optimizer, self.device, self.describe_nonfinite)
-        if self.step == 0 and cfg.checkpoint.initial_load_in_hf:
-            self.load_hf_weights(cfg.checkpoint.initial_load_path)
+        if self.step == 0 and cfg.checkpoint.initial_load_format != "dcp":  # DCP: the checkpointer loaded it
+            self.load_initial_weights(cfg.checkpoint.initial_load_path, cfg.checkpoint.initial_load_format)
         if self.step > 0:  # the config's optimizer settings win over the checkpoint's
             for change in apply_configured_hyperparameters(self.optimizer, self.lr_scheduler, cfg.optimizer):
                 logger.warning(f"resumed with a changed config: {change}")
@@ -175,19 +175,20 @@ class Trainer:
         except (FileNotFoundError, ValueError) as e:  # the data the config names is missing or does not fit it
             raise ConfigError(f"{at(cfg, 'training.dataset')}: {e}") from e
 
-    def load_hf_weights(self, folder: str) -> None:
-        """The starting weights from a Hugging Face model folder (model only), on every rank, whatever the layout:
-        each rank reads the full tensors and keeps its shards."""
+    def load_initial_weights(self, path: str, load_format: str) -> None:
+        """The starting weights (model only; the EMA starts at them) from a file or folder in a format of the
+        family's `weight_readers` (a Hugging Face folder, a facebookresearch/DiT `.pt`), on every rank, whatever the
+        layout: each rank reads the full tensors and keeps its shards."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         try:
-            state = self.train_spec.read_hf_fn(folder, self.model_args)
+            state = self.train_spec.weight_readers[load_format](path, self.model_args)
         except (FileNotFoundError, ValueError) as e:
             raise ConfigError(f"{at(self.job_config, 'checkpoint.initial_load_path')}: {e}") from e
         set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True, strict=True))
         if self.ema is not None:
             self.ema.reset_to_model()
-        logger.info(f"initialized model from the Hugging Face folder {folder}")
+        logger.info(f"initialized model from {path} (checkpoint.initial_load_format {load_format!r})")
 
     def build_model(self) -> torch.nn.Module:
         """Meta-device build, parallelize, then materialize and init_weights() on the device (sharded)."""

@@ -297,7 +297,7 @@ class CheckpointManager:
         step = self._resume() if self.config.enable else None
         if step is not None:
             return step
-        if self.config.initial_load_path and not self.config.initial_load_in_hf:  # HF folders: Trainer.load_hf
+        if self.config.initial_load_path and self.config.initial_load_format == "dcp":  # others: the Trainer's
             path = Path(self.config.initial_load_path)
             if not (path / ".metadata").is_file():
                 raise CheckpointLoadError(f"checkpoint.initial_load_path: {path} is not a complete checkpoint")

@@ -2,8 +2,10 @@
 
 from dataclasses import replace
 
+from torchtitan.models.dit.diffusers_adapter import read_diffusers_weights
 from torchtitan.models.dit.model import DiT, DiTArgs, flops_per_image
 from torchtitan.models.dit.parallelize import parallelize_dit
+from torchtitan.models.dit.state_dict_adapter import read_dit_pt
 from torchtitan.train_spec import TrainSpec, register_train_spec
 
 __all__ = ["DiT", "DiTArgs", "dit_configs", "flops_per_image", "parallelize_dit"]
@@ -77,5 +79,7 @@ register_train_spec(
         flops_per_sample_fn=lambda args, job_config: flops_per_image(args),
         datasets=("digits", "dummy", "imagefolder", "cifar10", "latents"),
         measure_overrides=("--training.dataset", "dummy", "--sampling.freq", "0"),  # no data to read, no grids
+        # facebookresearch/DiT .pt files; diffusers DiTTransformer2DModel folders
+        weight_readers={"dit_pt": read_dit_pt, "diffusers": read_diffusers_weights},
     )
 )

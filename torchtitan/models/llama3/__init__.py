@@ -18,7 +18,7 @@ TEXT_DATASETS = ("stdlib", "text", "synthetic_classification")
 def build_llama3_args(args: Llama3Args, job_config) -> Llama3Args:
     """The flavor's args with the overrides that apply to a language model: model.num_classes (> 0: a sequence
     classifier with that many labels, 0: the causal LM), model.attn_window (sliding-window attention); and, when a
-    Hugging Face folder is the starting point (checkpoint.initial_load_in_hf), its config.json's norm eps, RoPE
+    Hugging Face folder is the starting point (checkpoint.initial_load_format 'hf'), its config.json's norm eps, RoPE
     theta and scaling and max positions (see _with_hf_config)."""
     model_config, checkpoint, seq_len = job_config.model, job_config.checkpoint, job_config.training.seq_len
     if model_config.num_classes >= 0:
@@ -28,7 +28,7 @@ def build_llama3_args(args: Llama3Args, job_config) -> Llama3Args:
     if model_config.attn_window >= 0:
         args.attn_window = model_config.attn_window
     limit = f"the flavor's max_seq_len {args.max_seq_len}"
-    if checkpoint.initial_load_in_hf and checkpoint.initial_load_path:
+    if checkpoint.initial_load_format == "hf" and checkpoint.initial_load_path:
         args = _with_hf_config(args, job_config)
         limit = f"config.json's max_position_embeddings {args.max_seq_len} (the RoPE table's rows)"
     if seq_len > args.max_seq_len:
@@ -91,6 +91,6 @@ register_train_spec(
         ),
         datasets=TEXT_DATASETS,
         has_validation_split=True,
-        read_hf_fn=read_hf_folder,
+        weight_readers={"hf": read_hf_folder},
     )
 )
