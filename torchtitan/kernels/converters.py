@@ -30,6 +30,10 @@ CONVERTERS = {
     "float8": "torchao float8 training of the Linear layers ([quantize.linear.float8] holds its options)",
 }
 
+# The converters whose kernels are Python custom ops: each call costs the host about 0.3 ms of dispatch, which
+# `model.converters_min_tokens` weighs against what the kernels save (models/dit/parallelize.converters_for_batch).
+HOST_BOUND_CONVERTERS = ("fused_norm", "fused_mlp", "fused_qkv")
+
 
 @dataclass
 class Conversion:

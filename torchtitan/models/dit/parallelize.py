@@ -19,12 +19,12 @@ from torchtitan.parallelisms.utils import (
 )
 from torchtitan.tools.logging import logger
 
-HOST_BOUND_CONVERTERS = ("fused_norm", "fused_mlp", "fused_qkv")  # Python custom ops: host time on every call
-
 
 def converters_for_batch(job_config, args) -> list[str]:
     """`model.converters` without the fused ones on CUDA when a micro-batch is below `model.converters_min_tokens`
     tokens, where their host time per call costs more than their kernels save (see that key)."""
+    from torchtitan.kernels.converters import HOST_BOUND_CONVERTERS
+
     names = list(job_config.model.converters)
     tokens = job_config.training.local_batch_size * (args.input_size // args.patch_size) ** 2
     if not torch.cuda.is_available() or tokens >= job_config.model.converters_min_tokens:
