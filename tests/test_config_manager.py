@@ -347,7 +347,13 @@ def test_layout_checks_name_the_keys(tmp_path):
         validate_layout(cfg, world_size=8, device_type="cpu")
     message = str(err.value)
     assert "data_parallel_replicate_degree = 3 in the command line: does not divide the world size 8" in message
-    assert "compile.scope = 'model' in the command line: one device only" in message
+    assert "compile.scope = 'model' in the command line: one device or DDP only" in message
+    ddp = ["--parallelism.data_parallel_replicate_degree", "4", "--parallelism.data_parallel_shard_degree", "1",
+           "--compile.enable", "true", "--compile.scope", "model"]  # fmt: skip
+    validate_layout(parse_args(ddp), world_size=4, device_type="cpu")  # a whole compiled model under DDP
+    with pytest.raises(ConfigError, match=r"compile.scope = 'model' in the command line: 'model' under DP-SGD runs "
+                                          r"on one device only"):  # fmt: skip
+        validate_layout(parse_args([*ddp, "--dp.enable", "true"]), world_size=4, device_type="cpu")
     assert "training.local_batch_size = 'auto' in the command line: needs a CUDA device" in message
     cfg = parse_args(["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree",
                       "3"])  # fmt: skip

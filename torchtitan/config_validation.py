@@ -344,10 +344,12 @@ def validate_layout(cfg, world_size: int, device_type: str) -> None:
     elif shard != -1 and replicate * shard != world_size:
         errors.append(f"{degrees}: {replicate} x {shard} != world size {world_size}")
     sharded = shard > 1 or (shard == -1 and world_size // max(replicate, 1) > 1) or p.fsdp_single_device
-    if cfg.compile.enable and cfg.compile.scope == "model" and (world_size > 1 or sharded):
-        errors.append(f"{at(cfg, 'compile.scope')}: one device only (this run is data-parallel over {world_size} "
-                      "rank(s) or sharded, and DDP's and FSDP's hooks must stay outside compiled code); use "
-                      "compile.scope = 'block'")  # fmt: skip
+    if cfg.compile.enable and cfg.compile.scope == "model" and sharded:
+        errors.append(f"{at(cfg, 'compile.scope')}: one device or DDP only (this run is sharded, and FSDP's hooks "
+                      "must stay outside compiled code); use compile.scope = 'block'")  # fmt: skip
+    elif cfg.compile.enable and cfg.compile.scope == "model" and world_size > 1 and cfg.dp.enable:
+        errors.append(f"{at(cfg, 'compile.scope')}: 'model' under DP-SGD runs on one device only (DP-SGD over DDP "
+                      "compiles each block); use compile.scope = 'block'")  # fmt: skip
     if cfg.training.local_batch_size == "auto" and device_type != "cuda":
         errors.append(f"{at(cfg, 'training.local_batch_size')}: needs a CUDA device to measure memory on; give a "
                       f"number on {device_type}")  # fmt: skip

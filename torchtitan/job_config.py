@@ -300,10 +300,11 @@ class Compile:
     """What one graph holds: 'block' (each block apart; the blocks share one compiled graph, so compiling
     costs one block), 'model' (the whole model: Inductor also fuses across block boundaries, e.g. a block's
     last residual add into the next block's norm, and the host launches one graph per step instead of one per
-    block, at several times the compile time; one device only, since DDP's and FSDP's hooks must stay outside
-    compiled code) or 'auto': 'model' on one CUDA device without data parallelism (DiT-XL/2 on one H200: as fast
-    or faster at 32, 64 and 224 images a step, and DP-SGD's step 1.17x the non-private one at 64 against 1.69x;
-    docs/benchmark_log.md, 2026-11-27), 'block' otherwise."""
+    block, at several times the compile time; on one device or under DDP, whose graph dynamo splits at DDP's
+    buckets so that their all-reduce overlaps the backward; not where FSDP shards the model, nor under DP-SGD over
+    several ranks) or 'auto': 'model' on CUDA where allowed (DiT-XL/2 on one H200: as fast or faster at 32, 64
+    and 224 images a step, and DP-SGD's step 1.17x the non-private one at 64 against 1.69x; DDP over 4 H200s at
+    32 a GPU 1.12x each block's graph; docs/benchmark_log.md, 2026-11-27 (b and c)), 'block' otherwise."""
 
 
 @dataclass

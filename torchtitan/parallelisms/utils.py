@@ -114,30 +114,40 @@ def apply_ac(blocks: nn.ModuleDict, mode: str, selective_option: str, save_ops: 
 
 
 def apply_compile(model: nn.Module, mode: str = "default", scope: str = "block", fullgraph: bool = True,
-                  blocks: nn.ModuleDict | None = None) -> None:  # fmt: skip
+                  blocks: nn.ModuleDict | None = None, replicated: bool = False) -> None:  # fmt: skip
     """torch.compile in place each of the model's blocks (`blocks`, by default `model.blocks`), or the whole model
     with scope 'model'.
 
     fullgraph: a graph break is a bug, not a slowdown (see `full_graph`).
-    `Module.compile` keeps the parameter names.
+    replicated: the model is about to get DDP (apply_ddp). A whole model then compiles its `forward`, not its call:
+    DDP's root pre-forward hook runs first, outside the graph, and marks its module active, so dynamo's
+    DDPOptimizer splits the graph at DDP's bucket boundaries and each bucket's all-reduce overlaps the rest of the
+    backward, as with torch.compile over DistributedDataParallel. Compiling the call would trace that hook into
+    one graph whose gradients all arrive at its end, every all-reduce after the backward.
+    `Module.compile` and the compiled `forward` keep the parameter names.
     """
     blocks = model.blocks if blocks is None else blocks
     modules = list(blocks.values()) if scope == "block" else [model]
+    compile_mode = None if mode == "default" else mode
     for module in modules:
-        module.compile(fullgraph=fullgraph, mode=None if mode == "default" else mode)
+        if scope == "model" and replicated:
+            module.forward = torch.compile(module.forward, fullgraph=fullgraph, mode=compile_mode)
+        else:
+            module.compile(fullgraph=fullgraph, mode=compile_mode)
     what = f"{len(modules)} blocks" if scope == "block" else "the whole model"
     logger.info(f"compiled {what} with torch.compile(fullgraph={fullgraph}, mode={mode!r})")
 
 
-def compile_scope(compile_config, parallel_dims) -> str:
-    """compile.scope with "auto" resolved: the whole model on one CUDA device without data parallelism, where it was
-    measured at least as fast at every batch (DiT-XL/2 on one H200 at 32, 64 and 224 images a step; Llama-3.2-1B
-    equal; docs/benchmark_log.md, 2026-11-27), and each block otherwise: DDP's and FSDP's hooks stay outside
-    compiled code, and on the CPU one block's graph, compiled once for all blocks, keeps start-up short."""
+def compile_scope(compile_config, parallel_dims, private: bool = False) -> str:
+    """compile.scope with "auto" resolved: on CUDA the whole model on one device or under DDP (not under DP-SGD over
+    several ranks), where it was measured faster (DiT-XL/2 on one H200 at 32, 64 and 224 images a step, Llama-3.2-1B
+    equal; DDP over 4 H200s at 32 images a GPU 1.12x each block's graph: docs/benchmark_log.md, 2026-11-27 and
+    2026-11-27 (c)), and each block otherwise: FSDP's hooks stay outside compiled code, and on the CPU one block's
+    graph, compiled once for all blocks, keeps start-up short."""
     if compile_config.scope != "auto":
         return compile_config.scope
-    one_device = parallel_dims.dp_degree == 1 and not parallel_dims.fsdp_enabled
-    return "model" if one_device and torch.cuda.is_available() else "block"
+    whole = not parallel_dims.fsdp_enabled and not (private and parallel_dims.dp_degree > 1)
+    return "model" if whole and torch.cuda.is_available() else "block"
 
 
 def full_graph(job_config, scope: str) -> bool:

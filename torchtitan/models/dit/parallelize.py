@@ -46,7 +46,7 @@ def parallelize_dit(model: nn.Module, parallel_dims: ParallelDims, job_config) -
     # before each finish their own residual).
     checkpointed = checkpointed_blocks(len(model.blocks), ac.mode, ac.selective_ac_option)
     compile_config = job_config.compile
-    compiled = compile_config.enable and "model" in compile_config.components  # scope "model": one device
+    compiled = compile_config.enable and "model" in compile_config.components
     names = converters_for_batch(job_config, model.args)
     conversion = apply_converters(model, names, checkpointed, job_config.quantize.linear.float8,
                                   parallel_dims.fsdp_enabled, compiled)  # fmt: skip
@@ -54,7 +54,8 @@ def parallelize_dit(model: nn.Module, parallel_dims: ParallelDims, job_config) -
     if ac.mode != "none":
         apply_ac(model.blocks, ac.mode, ac.selective_ac_option, save_ops=conversion.save_ops)
     if compiled:
-        scope = compile_scope(compile_config, parallel_dims)
-        apply_compile(model, compile_config.mode, scope, fullgraph=full_graph(job_config, scope))
+        scope = compile_scope(compile_config, parallel_dims, job_config.dp.enable)
+        apply_compile(model, compile_config.mode, scope, fullgraph=full_graph(job_config, scope),
+                      replicated=parallel_dims.ddp_enabled)  # fmt: skip
     apply_data_parallel(model, list(model.blocks.values()), parallel_dims, job_config, job_config.compile.enable)
     return model
