@@ -72,8 +72,10 @@ VARIANTS = {
     "compiled_full_ac": ["--compile.enable", "true", "--activation_checkpoint.mode", "full"],
     "compiled_op_ac": ["--compile.enable", "true", "--activation_checkpoint.mode", "selective"],
 }
-# The whole model compiled: one device or DDP (config_validation refuses it where the model is sharded).
-WHOLE_MODEL = {"compiled_model": ["--compile.enable", "true", "--compile.scope", "model"]}
+# The whole model compiled: one device or DDP (config_validation refuses it where the model is sharded). Buckets of
+# 1 MiB split the debug model's 4.9 MiB of gradients, so DDPOptimizer splits its graph (at 100 MiB it would not).
+WHOLE_MODEL = {"compiled_model": ["--compile.enable", "true", "--compile.scope", "model",
+                                  "--parallelism.ddp_bucket_cap_mb", "1"]}  # fmt: skip
 LAYOUTS = {  # name: (processes, arguments)
     "ddp": (2, ["--parallelism.data_parallel_replicate_degree", "2", "--training.local_batch_size", "4"]),
     "fsdp": (2, ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "4"]),
@@ -131,9 +133,10 @@ def test_nccl_gradients_match_one_gpu(tmp_path, monkeypatch):
     FSDP and HSDP (with 4 GPUs), eager and compiled, with the fused converters on at any batch, equals one GPU's
     within 1e-4 relative (fp32; the reduction order and the kernels' tile sums differ).
 
-    TF32 off in every process: with cuDNN's default (TF32 allowed), DDP with the whole model compiled, its graph
-    split at DDP's buckets, gave 3.5e-4 on blocks.0.attn.qkv.weight on 4 H200s, and 4.2e-7 with TF32 off, while
-    one GPU's whole compiled model matched eager (3.8e-7) either way (docs/benchmark_log.md, 2026-11-27 (c))."""
+    TF32 off in every process: with cuDNN's default (TF32 allowed), DDP with the whole model compiled (through
+    DDPOptimizer, 2 images a GPU) gave 3.5e-4 on blocks.0.attn.qkv.weight on 4 H200s, and 4.2e-7 with TF32 off,
+    while one GPU's whole compiled model (8 images) matched eager (3.8e-7) either way (docs/benchmark_log.md,
+    2026-11-27 (c))."""
     monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")
     gpus = min(4, torch.cuda.device_count())
     cuda = [*GRAD_ARGS, "--training.mixed_precision_param", "float32", "--model.converters_min_tokens", "0"]

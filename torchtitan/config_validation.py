@@ -108,6 +108,7 @@ _BOUNDS = {
     "training.dataloader.prefetch_factor": "> 0",
     "parallelism.data_parallel_replicate_degree": "-1 or >= 1",
     "parallelism.data_parallel_shard_degree": "-1 or >= 1",
+    "parallelism.ddp_bucket_cap_mb": "> 0",
     "checkpoint.interval": "> 0",
     "checkpoint.keep_latest_k": ">= 0",
     "checkpoint.load_step": ">= -1",

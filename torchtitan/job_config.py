@@ -241,6 +241,10 @@ class Parallelism:
     fsdp_single_device: bool = False
     """On one GPU, apply FSDP2 anyway (a 1-rank mesh) so compute runs on bf16 parameters with fp32
     master weights (MixedPrecisionPolicy) instead of autocast."""
+    ddp_bucket_cap_mb: int = 100
+    """DDP's gradient bucket size in MiB (TorchTitan's 100). Each bucket's all-reduce starts once its gradients
+    exist; with the whole model compiled, dynamo also splits the graph at each bucket, so fewer, larger buckets
+    mean fewer graphs for the host to launch and less of the all-reduce hidden behind the backward."""
 
 
 @dataclass

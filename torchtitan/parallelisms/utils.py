@@ -176,13 +176,13 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, para
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=root_flag)
 
 
-def apply_ddp(model: nn.Module, mesh: DeviceMesh, compiled: bool) -> None:
-    """Composable DDP (replicate) over the replicate mesh."""
+def apply_ddp(model: nn.Module, mesh: DeviceMesh, compiled: bool, bucket_cap_mb: int = 100) -> None:
+    """Composable DDP (replicate) over the replicate mesh, its gradients all-reduced in buckets of `bucket_cap_mb`."""
     from torch.distributed._composable.replicate import replicate
 
     if compiled:
         torch._dynamo.config.optimize_ddp = "ddp_optimizer"
-    replicate(model, device_mesh=mesh, bucket_cap_mb=100)
+    replicate(model, device_mesh=mesh, bucket_cap_mb=bucket_cap_mb)
 
 
 def apply_data_parallel(model: nn.Module, blocks: list[nn.Module], parallel_dims, job_config, compiled: bool) -> None:
@@ -199,5 +199,5 @@ def apply_data_parallel(model: nn.Module, blocks: list[nn.Module], parallel_dims
         )
         logger.info(f"applied {parallel_dims.mode.upper()} to the model")
     elif parallel_dims.ddp_enabled:
-        apply_ddp(model, parallel_dims.mesh["dp_replicate"], compiled=compiled)
+        apply_ddp(model, parallel_dims.mesh["dp_replicate"], compiled, job_config.parallelism.ddp_bucket_cap_mb)
         logger.info("applied DDP (replicate) to the model")
