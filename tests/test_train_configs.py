@@ -101,3 +101,10 @@ def test_every_shipped_config_trains_samples_and_checkpoints(local_data, tmp_pat
         assert (out / "samples" / "step-2.png").is_file()
     assert result.stderr.index("saved checkpoint") < result.stderr.index("wrote sample")  # the step's checkpoint first
     assert "ERROR" not in result.stderr, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.stem)
+def test_every_shipped_config_states_the_hardware_it_fits(config):
+    """Its header says what it fits on ("# Fits: ..."), with the measured or estimated memory behind it."""
+    header = config.read_text().split("[job]")[0]
+    assert "# Fits: " in header, f"{config.name}: no '# Fits:' line before [job]"
