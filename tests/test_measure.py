@@ -11,7 +11,7 @@ def test_own_data_keeps_the_config_dataset_and_times_its_loader(tmp_path):
     assert measure_overrides(args)[-4:] == ["--training.dataset", "dummy", "--sampling.freq", "0"]
     assert "--training.dataset" not in measure_overrides(args, own_data=True)
     result = measure_steps(args, warmup=1, steps=3, own_data=True)
-    assert result["global_batch"] == 8
+    assert result["global_batch"] == 8 and (result["world_size"], result["layout"]) == (1, "single")
     assert result["images_per_second"] == pytest.approx(8 / result["step_time_s"], rel=1e-12)
     assert 0 < result["data_time_share"] < 1 and result["streamed_step_time_s"] > 0
     # No loader workers: the main process is the one worker.

@@ -94,7 +94,8 @@ def measure_steps(train_args: list[str], warmup: int = 3, steps: int = 10, profi
         _sync(trainer)
         streamed_s = (time.perf_counter() - start) / steps
         loss = out["loss_sum"].item() * trainer.dp_degree / trainer.global_batch  # this rank's mean
-        result = {"global_batch": trainer.global_batch, **trainer.meter.rates(summary["step_time_s"]), **summary,
+        result = {"global_batch": trainer.global_batch, "world_size": trainer.world_size,
+                  "layout": trainer.parallel_dims.mode, **trainer.meter.rates(summary["step_time_s"]), **summary,
                   "streamed_step_time_s": streamed_s, "data_time_share": trainer.meter.data_time / (steps * streamed_s),
                   "warmup_s": warmup_s, "loss": loss, "gflop_per_image": trainer.meter.flops_per_sample / 1e9,
                   **peak}  # fmt: skip
