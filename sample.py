@@ -1,7 +1,7 @@
 """Images from a trained checkpoint: a PNG grid, or an ADM-format .npz for FID.
 
     python sample.py --checkpoint outputs/RUN [--num-samples 16 --classes 1,2,3 --cfg-scale 4 --sampler ddim
-                     --steps 50 --seed 0 --out grid.png]
+                     --guidance-channels 3 --steps 50 --seed 0 --out grid.png]
     torchrun --nproc_per_node=8 sample.py --checkpoint outputs/RUN --num-samples 50000 --npz samples.npz
 
 `--checkpoint` is a run folder (its `config.toml`; the weights of `ema.safetensors` when the run exported
@@ -34,6 +34,7 @@ import argparse
 import math
 import os
 import sys
+import time
 import tomllib
 import warnings
 from pathlib import Path
@@ -43,8 +44,8 @@ import torch
 import torch.distributed as dist
 
 from torchtitan.config_manager import JobConfig, parse_args
-from torchtitan.diffusion import build_diffusion, sample_images
-from torchtitan.tools.images import save_image_grid
+from torchtitan.diffusion import batch_noise, build_diffusion, sample_images
+from torchtitan.tools.images import save_image_grid, to_uint8_nhwc
 from torchtitan.tools.logging import init_logger, logger
 from torchtitan.train_spec import build_model_args, get_train_spec
 
@@ -148,14 +149,6 @@ def load_model(cfg: JobConfig, weights: Path, device: torch.device):
     return model.eval(), model_args
 
 
-def to_uint8_nhwc(images: torch.Tensor) -> np.ndarray:
-    """(N, C, H, W) in [-1, 1] -> (N, H, W, 3) uint8, grey repeated to RGB (ADM's format)."""
-    images = ((images.float().cpu().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
-    if images.shape[1] == 1:
-        images = images.repeat(1, 3, 1, 1)
-    return images.permute(0, 2, 3, 1).contiguous().numpy()
-
-
 class Sampler:
     """Generates batches of images from a loaded model: noise -> sampler -> (decode) -> [-1, 1]."""
 
@@ -165,6 +158,12 @@ class Sampler:
         self.steps = cfg.sampling.steps if args.steps is None else args.steps
         self.sampler = args.sampler or cfg.sampling.sampler
         self.cfg_scale = cfg.sampling.cfg_scale if args.cfg_scale is None else args.cfg_scale
+        self.guidance_channels = args.guidance_channels
+        if self.guidance_channels is None:
+            self.guidance_channels = cfg.sampling.guidance_channels
+        if self.guidance_channels > model_args.in_channels:
+            raise ValueError(f"--guidance-channels {self.guidance_channels}: the model has {model_args.in_channels} "
+                             "channel(s)")  # fmt: skip
         self.seed = args.seed
         self.autocast = device.type == "cuda"
         if cfg.latent.tokenizer:
@@ -177,13 +176,14 @@ class Sampler:
     def batch(self, index: int, labels: torch.Tensor | None, size: int) -> torch.Tensor:
         """Batch `index` of the run: its own seeded noise, so it is the same on any rank."""
         a = self.model_args
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-        noise = torch.randn(size, a.in_channels, a.input_size, a.input_size, generator=generator).to(self.device)
+        noise, generator = batch_noise(self.seed, index, size, a.in_channels, a.input_size)
+        noise = noise.to(self.device)
         y = labels.to(self.device) if labels is not None else None
         latent = bool(self.cfg.latent.tokenizer)
         with torch.autocast(self.device.type, torch.bfloat16, enabled=self.autocast):
             x = sample_images(self.diffusion, self.model, noise, y, self.steps, self.sampler, self.cfg_scale,
-                              a.num_classes, clip_denoised=not latent)  # fmt: skip
+                              a.num_classes, clip_denoised=not latent,
+                              guidance_channels=self.guidance_channels, generator=generator)  # fmt: skip
         if latent:
             from torchtitan.datasets.tokenizers import decode_for_training
 
@@ -224,10 +224,17 @@ def write_npz(sampler: Sampler, args, classes: list[int], rank: int, world: int)
     labels = labels_for(args.num_samples, classes, sampler.model_args.num_classes)
     starts = list(range(0, args.num_samples, args.batch_size))
     parts = {}
-    for b in tqdm(range(rank, len(starts), world), desc="sampling", disable=rank != 0):
+    mine = range(rank, len(starts), world)
+    for b in tqdm(mine, desc="sampling", disable=rank != 0):
         size = min(args.batch_size, args.num_samples - starts[b])
         y = labels[starts[b] : starts[b] + size] if labels is not None else None
-        parts[f"batch_{b}"] = to_uint8_nhwc(sampler.batch(b, y, size))
+        parts[f"batch_{b}"] = to_uint8_nhwc(sampler.batch(b, y, size))  # on the host: the batch is done
+        if b == mine[0]:
+            first_done = time.perf_counter()  # the first batch holds compilation and warm-up
+    if len(mine) > 1:  # this rank's rate once warm, images through the decoder to uint8
+        images, seconds = sum(len(parts[f"batch_{b}"]) for b in mine[1:]), time.perf_counter() - first_done
+        logger.info(f"sampling: {images} images after the first batch in {seconds:.2f} s: "
+                    f"{images / seconds:.2f} images/s")  # fmt: skip
     part_file = out.with_name(f"{out.name}.part{rank}.npz")
     np.savez(part_file, **parts)
     if dist.is_initialized():
@@ -259,11 +266,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--num-samples", type=int, default=16)
     parser.add_argument("--classes", default="", help="comma-separated class indices, cycled over the samples")
     parser.add_argument("--cfg-scale", type=float, default=None, help="default: the run's sampling.cfg_scale")
-    parser.add_argument("--sampler", default="", choices=("", "default", "ddim", "euler", "heun"),
+    parser.add_argument("--guidance-channels", type=int, default=None,
+                        help="guide the first N output channels (-1: all; 3: facebookresearch/DiT's sample.py; "
+                             "default: the run's sampling.guidance_channels)")  # fmt: skip
+    parser.add_argument("--sampler", default="", choices=("", "default", "ddim", "ddpm", "euler", "heun"),
                         help="default: the run's sampling.sampler")  # fmt: skip
     parser.add_argument("--steps", type=int, default=None, help="sampler steps (default: the run's sampling.steps)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the model (pays off over many batches: 50,000 FID samples)")  # fmt: skip
     parser.add_argument("--out", default="samples.png", help="PNG grid")
     parser.add_argument("--npz", default="", help="write an ADM-format .npz of all samples instead of a grid")
     parser.add_argument("--tokenizer-dir", default="", help="override latent.checkpoint_dir")
@@ -300,6 +312,8 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} {value}: must be > 0")
     if args.cfg_scale is not None and not math.isfinite(args.cfg_scale):
         raise ValueError(f"--cfg-scale {args.cfg_scale}: must be a finite number (1: no guidance)")
+    if args.guidance_channels is not None and not (args.guidance_channels == -1 or args.guidance_channels >= 1):
+        raise ValueError(f"--guidance-channels {args.guidance_channels}: must be -1 (all) or >= 1")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -326,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg.training.dataset_path = args.latent_stats or cfg.training.dataset_path
         cfg.latent.allow_tokenizer_mismatch = args.allow_tokenizer_mismatch or cfg.latent.allow_tokenizer_mismatch
         model, model_args = load_model(cfg, weights, device)
+        if args.compile:
+            model = torch.compile(model)
         sampler = Sampler(cfg, model, model_args, device, args)
         path = write_npz(sampler, args, classes, rank, world) if args.npz else write_grid(sampler, args, classes)
     except (FileNotFoundError, ValueError, RuntimeError) as e:  # RuntimeError: a tokenizer file, named

@@ -68,9 +68,10 @@ def run_train(args: list[str], nproc: int = 1, timeout: int = 600, check: bool =
 
 
 def read_metrics(folder: Path, validation: bool = False) -> list[dict]:
-    """The training records of a run's metrics.jsonl, or its validation records."""
+    """The training records of a run's metrics.jsonl, or its validation records (held-out loss, FID): those with
+    no training loss."""
     records = [json.loads(line) for line in (Path(folder) / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in records if ("validation_loss" in r) == validation]
+    return [r for r in records if ("loss" not in r) == validation]
 
 
 TINY = [

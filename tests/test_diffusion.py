@@ -5,7 +5,10 @@ import math
 import pytest
 import torch
 
+from torchtitan.config_manager import ConfigError, parse_args
 from torchtitan.diffusion import GaussianDiffusion, RectifiedFlow, drop_labels, guided, sample_images
+from torchtitan.diffusion.ddpm import space_timesteps
+from torchtitan.diffusion.objective import LossByTimestep
 
 
 def zero_model(x, t, y):
@@ -158,3 +161,156 @@ def test_drop_labels_rate():
     torch.manual_seed(0)
     y = drop_labels(torch.zeros(10000, dtype=torch.long), 0.1, null_class=10)
     assert (y == 10).float().mean().item() == pytest.approx(0.1, abs=0.01)
+
+
+def test_x_prediction_loss_closed_form():
+    # JiT's loss: both velocities through the floored 1 / t, so it is |x0 - x_hat|^2 / max(t, t_min)^2 per element.
+    flow = RectifiedFlow(prediction="x", x_prediction_t_min=0.05)
+    g = torch.Generator().manual_seed(0)
+    x0, noise = torch.randn(5, 3, 2, 2, generator=g), torch.randn(5, 3, 2, 2, generator=g)
+    t = torch.tensor([0.0, 0.02, 0.05, 0.5, 1.0])
+    stand_in = lambda x, t, y: 0.5 * x + 0.1  # an x0_hat that depends on the input
+    loss, t_out = flow.training_losses(stand_in, x0, None, t=t, noise=noise)
+    x_t = (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * noise
+    floor = torch.tensor([0.05, 0.05, 0.05, 0.5, 1.0]).view(-1, 1, 1, 1)
+    expected = ((x0 - (0.5 * x_t + 0.1)) / floor).pow(2).flatten(1).mean(1)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(t_out, t)
+    # Above the floor the target is the velocity eps - x0 itself: a model whose x0_hat implies v_hat = eps - x0 + 1
+    # costs exactly 1 there.
+    shifted = lambda x, t_model, y: x - (t_model / 1000).view(-1, 1, 1, 1) * (noise - x0 + 1)
+    loss, _ = flow.training_losses(shifted, x0, None, t=t, noise=noise)
+    torch.testing.assert_close(loss[3:], torch.ones(2), rtol=1e-5, atol=1e-5)
+    perfect, _ = flow.training_losses(lambda x, t, y: x0, x0, None, t=t, noise=noise)
+    assert perfect.abs().max() < 1e-10  # the true x0 costs 0 at every t, t = 0 included
+
+
+@pytest.mark.parametrize("sampler", ["euler", "heun"])
+def test_x_prediction_sampler_lands_on_a_point_mass(sampler):
+    # An oracle x0_hat (the data is one point) makes v_hat = (x_t - x*) / t exact: steps starting at t >= t_min
+    # follow the straight path, so a grid that stays at or above t_min ends on the data.
+    target = torch.tensor([0.3, -0.7, 0.9, 0.1]).view(1, 1, 2, 2)
+    oracle = lambda x, t, y: target.expand_as(x)
+    flow = RectifiedFlow(prediction="x", x_prediction_t_min=0.05)
+    noise = torch.randn(8, 1, 2, 2, generator=torch.Generator().manual_seed(0))
+    samples = sample_images(flow, oracle, noise, None, steps=10, sampler=sampler)  # t = 1, 0.9, ..., 0.1
+    torch.testing.assert_close(samples, target.expand_as(noise), rtol=0, atol=1e-6)
+    if sampler == "euler":
+        # 50 steps: from t = 0.04 and 0.02 the floored 1 / t moves x 0.4 of the way instead of all of it, leaving
+        # 0.04 x 0.6 x 0.6 = 0.0144 of the noise (JiT's sampler does the same).
+        samples = sample_images(flow, oracle, noise, None, steps=50, sampler="euler")
+        torch.testing.assert_close(samples, target + 0.0144 * (noise - target), rtol=0, atol=1e-6)
+
+
+def test_x_prediction_is_refused_for_ddpm():
+    with pytest.raises(ConfigError) as err:
+        parse_args(["--diffusion.objective", "ddpm", "--diffusion.prediction", "x"])
+    assert str(err.value) == ("diffusion.prediction = 'x' in the command line: diffusion.objective 'ddpm' (in the "
+                              "command line) predicts 'epsilon'; x-prediction (JiT) is rectified_flow's")  # fmt: skip
+    cfg = parse_args(["--diffusion.objective", "rectified_flow", "--diffusion.prediction", "x"])
+    assert cfg.diffusion.x_prediction_t_min == 0.05
+    with pytest.raises(
+        ConfigError, match=r"diffusion.x_prediction_t_min = 0.0 in the command line: must be in \(0, 1\)"
+    ):
+        parse_args(["--diffusion.objective", "rectified_flow", "--diffusion.prediction", "x",
+                    "--diffusion.x_prediction_t_min", "0"])  # fmt: skip
+
+
+def stand_in_dit(x, t, y):
+    """Eps and learned-sigma channels (2C) that depend on x and the label: the null class (10) gives other values."""
+    w = (y.float() + 1).view(-1, 1, 1, 1)
+    return torch.cat([x * w + w, x - w], 1)
+
+
+def reference_forward_with_cfg(model, x, t, y, cfg_scale):
+    """facebookresearch/DiT's forward_with_cfg as published: a doubled batch (conditional half first) whose first
+    half's input is used for both; guidance on the first 3 channels; the rest (channel 3, the variance) kept."""
+    half = x[: len(x) // 2]
+    model_out = model(torch.cat([half, half]), t, y)
+    eps, rest = model_out[:, :3], model_out[:, 3:]
+    cond_eps, uncond_eps = torch.split(eps, len(eps) // 2, dim=0)
+    half_eps = uncond_eps + cfg_scale * (cond_eps - uncond_eps)
+    return torch.cat([torch.cat([half_eps, half_eps]), rest], dim=1)
+
+
+def test_guidance_on_three_channels_matches_facebookresearch_dit():
+    g = torch.Generator().manual_seed(0)
+    x, t, y = torch.randn(2, 4, 2, 2, generator=g), torch.tensor([999, 999]), torch.tensor([1, 2])
+    null = torch.full_like(y, 10)
+    reference = reference_forward_with_cfg(stand_in_dit, torch.cat([x, x]), torch.cat([t, t]), torch.cat([y, null]),
+                                           4.0)[:2]  # fmt: skip
+    ours = guided(stand_in_dit, 4.0, null_class=10, guide_channels=3)(x, t, y)
+    torch.testing.assert_close(ours, reference, rtol=0, atol=0)
+    cond, uncond = stand_in_dit(x, t, y), stand_in_dit(x, t, null)
+    all_channels = guided(stand_in_dit, 4.0, null_class=10, guide_channels=4)(x, t, y)
+    torch.testing.assert_close(all_channels[:, :4], uncond[:, :4] + 4.0 * (cond[:, :4] - uncond[:, :4]))
+    assert not torch.allclose(all_channels[:, 3], ours[:, 3])  # channel 3: guided vs the conditional output
+
+    # Through the sampler: one DDIM step from t = 999 to data, x0 = (x - sqrt(1 - a) eps) / sqrt(a).
+    diffusion = GaussianDiffusion(1000, "linear", learn_sigma=True)
+    a = diffusion.table["alphas_cumprod"][999].item()
+    for channels, eps in ((3, ours[:, :4]), (-1, all_channels[:, :4])):
+        out = sample_images(diffusion, stand_in_dit, x, y, steps=1, sampler="ddim", cfg_scale=4.0, null_class=10,
+                            guidance_channels=channels)  # fmt: skip
+        torch.testing.assert_close(out, (x - math.sqrt(1 - a) * eps) / math.sqrt(a), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="guidance on 5 channels of a 4-channel model"):
+        sample_images(diffusion, stand_in_dit, x, y, steps=1, cfg_scale=4.0, null_class=10, guidance_channels=5)
+
+
+def test_loss_by_timestep_bins_by_hand():
+    bins = LossByTimestep(torch.device("cpu"), num_bins=10)
+    # DDPM's t / T: 99 / 1000 is bin 0, 100 / 1000 (on the edge 1 / 10) bin 1, 999 / 1000 bin 9.
+    bins.add(torch.tensor([0, 99, 100, 999, 500]) / 1000, torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0]))
+    # Two samples with K = 2 draws each (rows of a sample consecutive); the second is Poisson padding.
+    bins.add(torch.tensor([0.15, 0.17, 0.35, 1.0]), torch.tensor([[10.0, 20.0], [30.0, 40.0]]), torch.tensor([1, 0]))
+    bins.add(torch.tensor([1.0]), torch.tensor([6.0]))  # rectified flow's t = 1 lands in the last bin
+    assert bins.metrics() == {
+        "loss/t_bin_0": (1 + 2) / 2,
+        "loss/t_bin_1": (3 + 10 + 20) / 3,
+        "loss/t_bin_5": 5.0,
+        "loss/t_bin_9": (4 + 6) / 2,
+    }  # bin 3 held only padding: left out, as the bins no sample fell in
+    assert bins.metrics() == {}  # each log starts a new interval
+
+
+def test_respaced_timesteps_are_improved_diffusions():
+    """space_timesteps(1000, "250") of improved-diffusion: k * 999 / 249, accumulated, rounded half to even."""
+    kept = space_timesteps(1000, 250)
+    assert len(kept) == 250 and kept[:4] == [0, 4, 8, 12] and kept[-1] == 999
+    assert (kept[62], kept[124], kept[125]) == (249, 497, 502)  # 248.75, 497.49, 501.51 by hand
+    # A stride of 166.5: the halves 166.5, 499.5, 832.5 round to even, as Python's round in the reference.
+    assert space_timesteps(1000, 7) == [0, 166, 333, 500, 666, 832, 999]
+    assert space_timesteps(1000, 1) == [0] and space_timesteps(10, 10) == list(range(10))
+    with pytest.raises(ValueError, match="cannot respace 1000 timesteps into 1001 steps"):
+        space_timesteps(1000, 1001)
+
+
+def test_ddpm_sampler_one_step_is_the_x0_prediction_at_t_0():
+    """With one kept timestep (0) the chain is a single step without noise: x0 = (x - sqrt(1 - a_0) eps) / sqrt(a_0)."""
+    diffusion = GaussianDiffusion(1000, "linear", learn_sigma=True)
+    x = torch.randn(2, 4, 2, 2, generator=torch.Generator().manual_seed(0))
+    seen = []
+
+    def model(x, t, y):
+        seen.append(t.tolist())
+        return torch.cat([0.5 * x, torch.zeros_like(x)], 1)
+
+    out = sample_images(diffusion, model, x, None, steps=1, sampler="ddpm")
+    a = diffusion.table["alphas_cumprod"][0].item()
+    torch.testing.assert_close(out, (x - math.sqrt(1 - a) * 0.5 * x) / math.sqrt(a), rtol=1e-6, atol=1e-6)
+    seen.clear()
+    sample_images(diffusion, model, x, None, steps=7, sampler="ddpm")
+    assert seen == [[t, t] for t in (999, 832, 666, 500, 333, 166, 0)]  # the ORIGINAL timesteps, descending
+
+
+def test_ddpm_sampler_is_ddpms_only():
+    x = torch.zeros(1, 1, 2, 2)
+    with pytest.raises(ValueError, match=r"sampling.sampler = 'euler': DDPM samples with 'ddim' or 'ddpm'"):
+        sample_images(GaussianDiffusion(), zero_model, x, None, steps=2, sampler="euler")
+    refusal = r"sampling.sampler = 'ddpm': rectified flow samples with 'euler' or 'heun' \('ddim' and 'ddpm' are"
+    with pytest.raises(ValueError, match=refusal):
+        sample_images(RectifiedFlow(), zero_model, x, None, steps=2, sampler="ddpm")
+    assert parse_args(["--diffusion.objective", "ddpm", "--sampling.sampler", "ddpm"]).sampling.sampler == "ddpm"
+    refusal = r"sampling.sampler = 'ddpm' in the command line: .*'rectified_flow' .*samples with \['default', 'euler'"
+    with pytest.raises(ConfigError, match=refusal):
+        parse_args(["--diffusion.objective", "rectified_flow", "--sampling.sampler", "ddpm"])

@@ -22,6 +22,7 @@ import sample
 from tests.conftest import TINY
 from torchtitan.config_manager import parse_args
 from torchtitan.config_validation import ConfigError
+from torchtitan.diffusion import GaussianDiffusion, guided, sample_images
 from torchtitan.models.dit import DiT, DiTArgs, dit_configs
 from torchtitan.models.dit.state_dict_adapter import DIT_PT_PICKLE_GLOBALS, read_dit_pt
 from torchtitan.tools import safe_pickle
@@ -214,3 +215,82 @@ def test_sample_py_draws_a_grid_from_the_pt(tmp_path, tiny_flavor, capsys):
     assert sample.main([*common, "--out", str(out)]) == 2
     (error,) = _error_lines(capsys)
     assert error.startswith("error: --flavor: a .pt checkpoint has no run config"), error
+
+
+def _reference_ema() -> DiT:
+    model = DiT(TINY_REFERENCE)
+    model.init_weights()
+    model.load_state_dict(read_dit_pt(CHECKPOINT, TINY_REFERENCE), strict=True)
+    return model.eval()
+
+
+def _max_relative_gap(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    """The largest gap over the largest magnitude: an untrained model's samples reach |x| ~ 600, where a float32
+    ulp is 6e-5, so an absolute 1e-5 could only be met bit for bit."""
+    return ((ours - reference).abs().max() / reference.abs().max()).item()
+
+
+def test_ddpm_sampler_reproduces_the_references_p_sample_loop():
+    """`create_diffusion("7").p_sample_loop` of the reference on its own EMA weights, the global RNG seeded alike:
+    our 'ddpm' sampler gives the same samples with the learned-range and the fixed large variance (the model
+    reads the original timesteps 999, 832, ..., 0 and the step noise is drawn in the same order; with the
+    reference's own model in place of ours the samples were bit-identical when the data was made)."""
+    io, model = load_file(REFERENCE_IO), _reference_ema()
+    noise, y, seed = io["ddpm_noise"], io["ddpm_y"], int(io["ddpm_seed"])
+    for name, learn_sigma in (("ddpm_learned", True), ("ddpm_fixed_large", False)):
+        diffusion = GaussianDiffusion(1000, "linear", learn_sigma)
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            out = sample_images(diffusion, model, noise, y, steps=7, sampler="ddpm")
+            after = torch.randn(3)
+            torch.manual_seed(seed)
+            for _ in range(7):  # one draw per step, the last (unused) too
+                torch.randn_like(noise)
+            assert torch.equal(after, torch.randn(3)), "the step noise was not drawn as the reference draws it"
+        assert _max_relative_gap(out, io[name]) <= 1e-5, name
+        # A generator seeded alike draws the same step noise as the seeded global RNG.
+        generator = torch.Generator().manual_seed(seed)
+        out_generator = sample_images(diffusion, model, noise, y, steps=7, sampler="ddpm", generator=generator)
+        torch.testing.assert_close(out_generator, out, rtol=0, atol=0)
+    assert _max_relative_gap(io["ddpm_learned"], io["ddpm_fixed_large"]) > 1e-3  # the variances differ
+
+
+def test_guided_ddpm_sampler_is_the_conditional_half_of_the_references_doubled_chain():
+    """The reference samples CFG as a doubled chain (conditional half first) through `forward_with_cfg`, drawing
+    each step's noise for 2B and keeping the first B. Our sampler run on that doubled batch, the model the
+    reference's wrapper around `guided` (which reads only the first half), reproduces it; through sample_images
+    the noise is drawn for B, so the samples agree in distribution only."""
+    io, model = load_file(REFERENCE_IO), _reference_ema()
+    noise, y, seed = io["ddpm_noise"], io["ddpm_y"], int(io["ddpm_seed"])
+    scale, null, batch = 4.0, TINY_REFERENCE.num_classes, len(y)
+    diffusion = GaussianDiffusion(1000, "linear", learn_sigma=True)
+    guided_model = guided(model, scale, null, guide_channels=3)  # = all 3 channels of the tiny model
+
+    def doubled_chain(x, t, labels):
+        half = guided_model(x[:batch], t[:batch], labels[:batch])
+        return torch.cat([half, half])
+
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        doubled = torch.cat([y, torch.full_like(y, null)])
+        out = diffusion.ddpm_sample(doubled_chain, torch.cat([noise, noise]), doubled, steps=7)[:batch]
+        torch.manual_seed(seed)
+        single = sample_images(diffusion, model, noise, y, 7, "ddpm", scale, null, guidance_channels=3)
+    assert _max_relative_gap(out, io["ddpm_cfg"]) <= 1e-5
+    assert _max_relative_gap(io["ddpm_cfg"], io["ddpm_learned"]) > 1e-3  # the guidance did change the samples
+    assert _max_relative_gap(single, io["ddpm_cfg"]) > 1e-3  # other step noise from the second step on
+
+
+def test_sample_py_samples_with_ddpm(tmp_path, tiny_flavor, capsys):
+    """A grid, and an .npz whose batches draw their step noise from their own seeded generators: the same file
+    whatever the global RNG (so whatever the number of ranks that sample it)."""
+    out = tmp_path / "grid.png"
+    flags = ["--checkpoint", str(CHECKPOINT), "--flavor", FLAVOR, "--num-samples", "2", "--classes", "1,2"]
+    assert sample.main([*flags, "--sampler", "ddpm", "--steps", "7", "--out", str(out)]) == 0
+    assert _error_lines(capsys) == [] and np.asarray(Image.open(out)).std() > 0
+    npz = [*flags, "--sampler", "ddpm", "--steps", "7", "--batch-size", "1", "--npz"]
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        assert sample.main([*npz, str(tmp_path / f"global_seed_{seed}.npz")]) == 0
+    first, second = (np.load(tmp_path / f"global_seed_{seed}.npz")["arr_0"] for seed in (0, 1))
+    assert np.array_equal(first, second) and first.std() > 0

@@ -2,6 +2,7 @@
 and arguments refused by flag."""
 
 import os
+import re
 import shutil
 
 import numpy as np
@@ -37,9 +38,14 @@ def test_grid_from_export_and_from_dcp_agree(digits_run, tmp_path):
     assert not np.array_equal(export, step2)  # and another checkpoint really is other weights
 
 
-def test_npz_over_two_ranks_matches_one_process(digits_run, tmp_path):
+def test_npz_over_two_ranks_matches_one_process(digits_run, tmp_path, capfd):
+    """Also: the rate once warm is logged (batches 2 and 3: 4 images), and --compile gives the same images to one
+    uint8 level (compiled kernels round differently)."""
     args = ["--checkpoint", str(digits_run), "--num-samples", "7", "--batch-size", "3", "--steps", "2"]
     assert sample.main([*args, "--npz", str(tmp_path / "one.npz")]) == 0
+    assert sample.main([*args, "--compile", "--npz", str(tmp_path / "compiled.npz")]) == 0
+    logged = "".join(capfd.readouterr())
+    assert re.search(r"sampling: 4 images after the first batch in \d+\.\d\d s: \d+\.\d\d images/s", logged), logged
     cmd = [*launcher(2), "sample.py", *args, "--npz", str(tmp_path / "two.npz")]
     result = run_to_end(cmd, 300, ROOT, {**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
@@ -47,7 +53,9 @@ def test_npz_over_two_ranks_matches_one_process(digits_run, tmp_path):
     assert one["arr_0"].shape == (7, 16, 16, 3) and one["arr_0"].dtype == np.uint8
     assert one["arr_1"].tolist() == [0, 1, 2, 3, 4, 5, 6]
     assert np.array_equal(one["arr_0"], two["arr_0"]) and np.array_equal(one["arr_1"], two["arr_1"])
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["one.npz", "two.npz"]  # part files are gone
+    compiled = np.load(tmp_path / "compiled.npz")
+    assert np.abs(compiled["arr_0"].astype(int) - one["arr_0"].astype(int)).max() <= 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["compiled.npz", "one.npz", "two.npz"]  # part files gone
 
 
 def test_errors(digits_run, tmp_path, capsys):
@@ -55,6 +63,10 @@ def test_errors(digits_run, tmp_path, capsys):
     assert f"{tmp_path / 'nowhere'} does not exist" in capsys.readouterr().err
     assert sample.main(["--checkpoint", str(digits_run), "--classes", "12", "--out", str(tmp_path / "x.png")]) == 2
     assert "--classes [12]: the model has classes 0..9" in capsys.readouterr().err
+    out = str(tmp_path / "x.png")
+    assert sample.main(["--checkpoint", str(digits_run), "--cfg-scale", "2", "--guidance-channels", "2", "--out",
+                        out]) == 2  # fmt: skip
+    assert "--guidance-channels 2: the model has 1 channel(s)" in capsys.readouterr().err
 
 
 def test_run_folder_prefers_ema_safetensors(digits_run, tmp_path):
@@ -88,6 +100,7 @@ def test_run_folder_prefers_ema_safetensors(digits_run, tmp_path):
         (["--batch-size", "0"], "--batch-size 0: must be > 0"),
         (["--batch-size", "-1"], "--batch-size -1: must be > 0"),
         (["--classes", "1,x"], "--classes '1,x': must be comma-separated class indices"),
+        (["--guidance-channels", "0"], "--guidance-channels 0: must be -1 (all) or >= 1"),
     ],
 )
 def test_bad_arguments_name_the_flag(digits_run, tmp_path, capsys, flags, message):

@@ -29,6 +29,10 @@ def test_loss_falls_and_outputs_are_written(tmp_path):
     for key in ("loss", "grad_norm", "lr", "images_per_second", "step_time_s", "data_time_s"):
         assert key in metrics[-1]
     assert "mfu" not in metrics[-1]  # no GPU: no made-up MFU
+    for m in metrics:  # loss by timestep (minRF): at log_freq 1 the step's loss is a mix of its bins' means
+        bins = [v for k, v in m.items() if k.startswith("loss/t_bin_")]
+        assert bins and {k for k in m if k.startswith("loss/t_bin_")} <= {f"loss/t_bin_{k}" for k in range(10)}
+        assert min(bins) * (1 - 1e-6) <= m["loss"] <= max(bins) * (1 + 1e-6), m
     grid = Image.open(out / "samples" / "step-40.png")
     assert grid.size == (2 + 2 * 66, 2 + 2 * 66)  # 2 x 2 grid of 16 px images enlarged to 64, 2 px gaps
     assert (out / "config.toml").is_file() and list((out / "tb").iterdir())
@@ -45,6 +49,14 @@ def test_sparse_logging_changes_no_number(tmp_path):
     assert [m["step"] for m in sparse] == [3, 6, 7]
     for m in sparse:
         assert (m["loss"], m["grad_norm"]) == (every[m["step"]]["loss"], every[m["step"]]["grad_norm"]), m["step"]
+    # The loss by timestep covers every step since the last log: the bins of steps 1-3 pool into step 3's record,
+    # each between its every-step values.
+    pooled = {k: v for k, v in sparse[0].items() if k.startswith("loss/t_bin_")}
+    per_step = [{k: v for k, v in every[step].items() if k.startswith("loss/t_bin_")} for step in (1, 2, 3)]
+    assert set(pooled) == set().union(*per_step)
+    for key, value in pooled.items():
+        seen = [bins[key] for bins in per_step if key in bins]
+        assert min(seen) * (1 - 1e-6) <= value <= max(seen) * (1 + 1e-6), key
 
 
 def test_killed_run_resumes_bitwise(tmp_path):
@@ -113,6 +125,8 @@ def test_ddp_two_processes_match_one(tmp_path):
     for a, b in zip(one, ddp):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+        bins = {k: v for k, v in a.items() if k.startswith("loss/t_bin_")}  # summed over the ranks: the same bins
+        assert bins and {k: v for k, v in b.items() if k.startswith("loss/t_bin_")} == pytest.approx(bins, rel=1e-5)
 
 
 def test_export_loads_into_plain_model(tmp_path):

@@ -50,13 +50,14 @@ _CHOICES = {
     "compile.mode": ("default", "max-autotune-no-cudagraphs"),
     "compile.scope": ("auto", "block", "model"),
     "quantize.linear.float8.recipe_name": ("tensorwise", "rowwise", "rowwise_with_gw_hp"),  # torchao's names
-    "sampling.sampler": ("default", "ddim", "euler", "heun"),
+    "sampling.sampler": ("default", "ddim", "ddpm", "euler", "heun"),
     "latent.tokenizer": ("", "cosmos_jit", "diffusers"),
     "dp.mode": ("vanilla", "ghost", "flash", "bookkeeping", "flash_bookkeeping"),
     "dp.accountant": ("rdp", "prv"),
     "dp.sampling": ("poisson", "shuffle"),
     "model.norm": (None, "layernorm", "rmsnorm"),
     "model.mlp": (None, "gelu", "swiglu"),
+    "validation.fid_dims": (64, 192, 768, 2048),  # pytorch-fid's Inception blocks
 }
 
 _RULES = {
@@ -85,6 +86,7 @@ _BOUNDS = {
     "model.attn_window": ">= -1",
     "diffusion.num_timesteps": "> 0",
     "diffusion.logit_normal_std": "> 0",
+    "diffusion.x_prediction_t_min": "in (0, 1)",
     "diffusion.class_dropout_prob": "in [0, 1)",
     "optimizer.lr": "> 0",
     "optimizer.beta1": "in [0, 1)",
@@ -104,6 +106,9 @@ _BOUNDS = {
     "training.seq_len": "> 0",
     "validation.freq": "> 0",
     "validation.steps": "> 0",
+    "validation.fid_num_samples": "> 0",
+    "validation.fid_sampling_steps": "> 0",
+    "validation.fid_batch_size": "> 0",
     "training.dataloader.num_workers": ">= 0",
     "training.dataloader.prefetch_factor": "> 0",
     "parallelism.data_parallel_replicate_degree": "-1 or >= 1",
@@ -115,6 +120,7 @@ _BOUNDS = {
     "sampling.freq": ">= 0",
     "sampling.num_samples": "> 0",
     "sampling.steps": "> 0",
+    "sampling.guidance_channels": "-1 or >= 1",
     "latent.scale_factor": ">= 0",
     "dp.max_grad_norm": "> 0",
     "dp.noise_multiplier": ">= 0",
@@ -180,6 +186,8 @@ def _check_model(cfg, errors: list[str]) -> None:
     if getattr(args, "learn_sigma", False) and cfg.diffusion.objective != "ddpm":
         errors.append(f"{at(cfg, 'diffusion.objective')}: a learned sigma (model.learn_sigma, the flavor's or in "
                       f"{cfg.source_of('model.learn_sigma')}) is DDPM's; set model.learn_sigma = false")  # fmt: skip
+    if cfg.sampling.guidance_channels > getattr(args, "in_channels", cfg.sampling.guidance_channels):
+        errors.append(f"{at(cfg, 'sampling.guidance_channels')}: the model has {args.in_channels} channels")
 
 
 def _check_family(cfg, spec, args, errors: list[str]) -> None:
@@ -188,7 +196,9 @@ def _check_family(cfg, spec, args, errors: list[str]) -> None:
     name = f"model.name {spec.name!r} (in {cfg.source_of('model.name')})"
     if cfg.training.dataset not in spec.datasets:
         errors.append(f"{at(cfg, 'training.dataset')}: {name} reads {list(spec.datasets)}")
-    if cfg.validation.enable and not spec.has_validation_split:
+    if cfg.validation.enable and spec.name == "dit":
+        _check_fid(cfg, args, name, errors)
+    elif cfg.validation.enable and not spec.has_validation_split:
         errors.append(f"{at(cfg, 'validation.enable')}: {name} trains on datasets without a held-out split")
     load_format = cfg.checkpoint.initial_load_format
     if load_format != "dcp" and load_format in _CHOICES["checkpoint.initial_load_format"]:  # else: _check_choices
@@ -215,6 +225,29 @@ def _check_family(cfg, spec, args, errors: list[str]) -> None:
     if cfg.dp.enable and cfg.dp.augmult > 1:
         errors.append(f"{at(cfg, 'dp.augmult')}: augmult draws K diffusion timesteps and noises per image; {name} "
                       "has no per-sample randomness to multiply (set 1)")  # fmt: skip
+
+
+def _check_fid(cfg, args, name: str, errors: list[str]) -> None:
+    """A DiT's [validation] is FID (torchtitan/components/validation.py): its two local files exist and its samples
+    can become images, said at start rather than at the first validation thousands of steps in."""
+    from pathlib import Path
+
+    enabled = f"{at(cfg, 'validation.enable')} on {name} computes the FID of EMA samples, which needs"
+    files = {"validation.fid_reference": "reference statistics (an .npz with mu/sigma, e.g. ADM's "
+                                         "VIRTUAL_imagenet256_labeled.npz)",
+             "validation.inception_weights": "pytorch-fid's FID Inception weights "
+                                             "(pt_inception-2015-12-05-6726825d.pth)"}  # fmt: skip
+    for key, what in files.items():
+        path = _value(cfg, key)
+        if not path:
+            errors.append(f"{at(cfg, key)}: {enabled} {what} in a local file")
+        elif not Path(path).is_file():
+            errors.append(f"{at(cfg, key)}: no such file; {enabled} {what}")
+    if cfg.validation.fid_num_samples == 1:
+        errors.append(f"{at(cfg, 'validation.fid_num_samples')}: FID needs at least 2 samples (a covariance)")
+    if (cfg.training.dataset == "latents" or args.in_channels not in (1, 3)) and not cfg.latent.tokenizer:
+        errors.append(f"{at(cfg, 'latent.tokenizer')}: {enabled} images, and this latent model's samples need a "
+                      "[latent] tokenizer to decode them")  # fmt: skip
 
 
 def _check_choices(cfg, errors: list[str]) -> None:
@@ -254,11 +287,12 @@ def _check_numbers(cfg, errors: list[str]) -> None:
 
 
 def _check_combinations(cfg, errors: list[str]) -> None:
-    prediction = {"ddpm": "epsilon", "rectified_flow": "velocity"}.get(cfg.diffusion.objective)
-    if prediction and cfg.diffusion.prediction != prediction:
+    predictions = {"ddpm": ("epsilon",), "rectified_flow": ("velocity", "x")}.get(cfg.diffusion.objective)
+    if predictions and cfg.diffusion.prediction not in predictions:  # named: its usual target, and where 'x' goes
+        hint = "; x-prediction (JiT) is rectified_flow's" if cfg.diffusion.prediction == "x" else ""
         errors.append(f"{at(cfg, 'diffusion.prediction')}: diffusion.objective {cfg.diffusion.objective!r} "
-                      f"(in {cfg.source_of('diffusion.objective')}) predicts {prediction!r}")  # fmt: skip
-    samplers = {"ddpm": ("default", "ddim"), "rectified_flow": ("default", "euler", "heun")}.get(
+                      f"(in {cfg.source_of('diffusion.objective')}) predicts {predictions[0]!r}{hint}")  # fmt: skip
+    samplers = {"ddpm": ("default", "ddim", "ddpm"), "rectified_flow": ("default", "euler", "heun")}.get(
         cfg.diffusion.objective
     )
     if samplers and cfg.sampling.sampler not in samplers:  # else the first sample grid, steps into the run, would fail

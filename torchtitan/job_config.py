@@ -122,7 +122,10 @@ class Diffusion:
     objective: str = "ddpm"
     """'ddpm' (epsilon prediction, as DiT) or 'rectified_flow' (velocity, as SiT/SD3)."""
     prediction: str = "epsilon"
-    """Model target: 'epsilon' for ddpm, 'velocity' for rectified_flow."""
+    """Model target: 'epsilon' for ddpm; 'velocity' or 'x' for rectified_flow. 'x': the model predicts the clean
+    image and the loss is taken on the velocity it implies, (x_t - x_hat) / t, as JiT (Li & He, 2025)."""
+    x_prediction_t_min: float = 0.05
+    """Under prediction 'x': the floor of t in the velocity's 1 / t, in the loss and the sampler (JiT's t_eps)."""
     noise_schedule: str = "linear"
     """DDPM beta schedule: 'linear' (DiT) or 'cosine' (iDDPM)."""
     num_timesteps: int = 1000
@@ -221,12 +224,35 @@ class Training:
 @dataclass
 class Validation:
     enable: bool = False
-    """Held-out loss (and perplexity, language models) every `freq` steps and at the end; needs a dataset with a
-    held-out split (the text datasets)."""
+    """Every `freq` steps and at the end. Language models: the held-out loss (and perplexity) on the held-out split
+    of the text datasets. DiTs: the FID (and Inception Score) of `fid_num_samples` samples of the EMA weights
+    against `fid_reference`, through the Inception network of `inception_weights` (both local files; see
+    docs/latent.md)."""
     freq: int = 100
     """Steps between validations."""
     steps: int = 10
-    """Micro-batches per rank each validation reads (the same ones every time)."""
+    """Language models: micro-batches per rank each validation reads (the same ones every time)."""
+    fid_num_samples: int = 5000
+    """DiTs: samples per FID, class-balanced (labels cycle through the classes), from fixed noise (`sampling.seed`),
+    spread over the data-parallel ranks. FID is biased upward at small N: compare runs at the same N (the papers'
+    figures are FID-50K)."""
+    fid_reference: str = ""
+    """DiTs: the reference statistics, an .npz with `mu` and `sigma` (ADM's reference batches, e.g.
+    VIRTUAL_imagenet256_labeled.npz, or `scripts/evaluate_fid.py --save-stats`), or with `arr_0` images whose
+    statistics are computed at start."""
+    inception_weights: str = ""
+    """DiTs: local file of pytorch-fid's FID Inception weights (pt_inception-2015-12-05-6726825d.pth); nothing is
+    downloaded."""
+    fid_dims: int = 2048
+    """DiTs: Inception features, 2048 (pool3: the standard FID, and the only one with an Inception Score) or 64, 192,
+    768 (cheaper blocks, for quick checks); `fid_reference` must hold statistics of as many."""
+    fid_sampling_steps: int = 50
+    """DiTs: sampler steps of the FID samples (`sampling.sampler`'s sampler; sample grids keep `sampling.steps`)."""
+    fid_cfg_scale: float = 1.0
+    """DiTs: classifier-free guidance scale of the FID samples (1: off; the DiT paper's best FID uses 1.5)."""
+    fid_batch_size: int = 64
+    """DiTs: samples per sampler batch and Inception batch, per rank (`sample.py --batch-size` gives the same
+    samples)."""
 
 
 @dataclass
@@ -342,9 +368,14 @@ class Sampling:
     steps: int = 50
     """Sampler steps."""
     sampler: str = "default"
-    """'ddim' (ddpm), 'euler' or 'heun' (rectified_flow); 'default' picks per objective."""
+    """'ddim' or 'ddpm' (the ddpm objective), 'euler' or 'heun' (rectified_flow); 'default' picks per objective
+    (ddim, euler). 'ddpm' is ancestral sampling over `steps` respaced timesteps with the learned variance: the DiT
+    paper's sampler (250 steps for its FIDs)."""
     cfg_scale: float = 1.0
     """Classifier-free guidance scale (1: off)."""
+    guidance_channels: int = -1
+    """Output channels the guidance applies to, the first ones (-1: all, the standard guidance). 3 on 4-channel
+    latents reproduces facebookresearch/DiT's forward_with_cfg, with which its published FIDs were sampled."""
     seed: int = 0
     """Seed of the fixed sampling noise."""
 

@@ -28,6 +28,7 @@ from torchtitan.components.profiling import Profiler
 from torchtitan.components.run_lock import acquire_run_lock
 from torchtitan.components.sampling import SampleWriter
 from torchtitan.components.step_guard import NonFiniteGuard
+from torchtitan.components.validation import FIDValidator
 from torchtitan.config_manager import ConfigError, JobConfig, check_batch_sizes, to_toml
 from torchtitan.config_validation import at, validate_layout
 from torchtitan.datasets.prefetch import DevicePrefetcher, batch_to_device
@@ -83,9 +84,11 @@ class Trainer:
         layout = BatchLayout(self.dp_rank, self.dp_degree, self.grad_accum_steps, self.augmult, cfg.debug.seed,
                              self.device)  # fmt: skip
         self.objective = self.train_spec.build_objective_fn(cfg, self.model_args, layout)
+        self.loss_bins = getattr(self.objective, "loss_by_timestep", None)  # diffusion: loss/t_bin_k, as minRF
         poisson_steps = cfg.training.steps if cfg.dp.enable and cfg.dp.sampling == "poisson" else 0
         self.dataloader = DevicePrefetcher(self.build_dataloader(poisson_steps, "train"), self.device)
-        self.validation_loader = self.build_dataloader(0, "validation") if cfg.validation.enable else None
+        held_out = cfg.validation.enable and self.train_spec.has_validation_split  # else a DiT's FID (below)
+        self.validation_loader = self.build_dataloader(0, "validation") if held_out else None
         self._validation_logged = False  # the pass's size is logged once: it is the same every time
         self.private = None
         if cfg.dp.enable:
@@ -99,6 +102,11 @@ class Trainer:
             self.samples = SampleWriter(cfg, self.model_args, self.objective.diffusion, self.device, self.rank,
                                         self.dump_folder, self.metrics)  # fmt: skip
             self.samples.check()
+        self.fid = None  # a DiT's [validation]: FID of EMA samples (torchtitan/components/validation.py)
+        if self.samples is not None and cfg.validation.enable:
+            self.fid = FIDValidator(cfg, self.model_args, self.objective.diffusion, self.device, self.dp_rank,
+                                    self.dp_degree, self.parallel_dims.dp_group, self.metrics)  # fmt: skip
+            self.fid.check()
         # A sample costs K forward/backward passes with augmult: MFU counts them, images/s counts images.
         flops = self.train_spec.flops_per_sample_fn(self.model_args, cfg) * self.augmult
         self.meter = ThroughputMeter(self.device, flops, self.global_batch, self.world_size,
@@ -305,6 +313,8 @@ class Trainer:
             mask = batch[2]
             loss_sum += (losses if mask is None else losses * mask).sum()
             loss_count += losses.shape[0] if mask is None else mask.sum()
+            if self.loss_bins is not None:  # on the device, read at log steps
+                self.loss_bins.add(*self.objective.last_draws, mask)
         grad_norm = self.grad_norm()
         max_norm = self.job_config.training.max_norm if self.private is None else 0.0  # DP clips per sample instead
         if max_norm > 0:
@@ -348,7 +358,8 @@ class Trainer:
         """The step's metrics. Under DP the gradient norm is the noised one the optimizer applies
         (`dp_noised_grad_norm`), and the per-sample norms before clipping are summarized over every sample since the
         last log (PrivateTraining.metrics: a collective over the data-parallel ranks). The loss is the mean over the
-        samples the step drew (under Poisson sampling their number varies; NaN if it drew none)."""
+        samples the step drew (under Poisson sampling their number varies; NaN if it drew none); a diffusion model's
+        `loss/t_bin_k` bin it by timestep over every sample since the last log (LossByTimestep, also a collective)."""
         totals = torch.stack([out["loss_sum"], out["loss_count"]])  # one all_reduce for both
         if dist.is_initialized():
             dist.all_reduce(totals, group=self.parallel_dims.dp_group())
@@ -357,6 +368,7 @@ class Trainer:
         grad_norm_key = "dp_noised_grad_norm" if self.private is not None and self.private.noised else "grad_norm"
         metrics = {"loss": loss, grad_norm_key: out["grad_norm"].item(), "lr": out["lr"]}
         metrics.update(self.meter.summary())
+        metrics.update(self.loss_bins.metrics(self.parallel_dims.dp_group()) if self.loss_bins is not None else {})
         if self.private is not None:
             metrics.update(self.private.metrics(self.parallel_dims.dp_group()))
         self.metrics.log(self.step, metrics)
@@ -376,7 +388,7 @@ class Trainer:
             self.gc.run(self.step)
             last = self.step == cfg.training.steps
             log, save = self.logs_at(self.step), self.checkpointer.should_save(self.step, last)
-            validate = self.validation_loader is not None and (self.step % cfg.validation.freq == 0 or last)
+            validate = cfg.validation.enable and (self.step % cfg.validation.freq == 0 or last)
             sample = self.samples is not None and self.samples.due(self.step, last)
             if last or log or save or validate or sample:
                 self.guard.check()  # no state is logged, saved, sampled or exported after a non-finite step
@@ -398,7 +410,9 @@ class Trainer:
         """Mean loss over at most `validation.steps` held-out micro-batches per rank, each held-out sample counted
         once (the pass stops at the end of the split; the same samples each time), over the data-parallel ranks,
         and its perplexity for language models; logged as `validation_loss` (`validation_perplexity`). Weights are
-        the trained ones (not the EMA)."""
+        the trained ones (not the EMA). A DiT's validation is the FID of EMA samples instead (FIDValidator.run)."""
+        if self.fid is not None:
+            return self.fid.run(self.model, self.ema, self.step, self.compute_context)
         from torchtitan.datasets.loader import validation_batches
 
         dataset, steps = self.validation_loader.dataset, self.job_config.validation.steps

@@ -149,10 +149,19 @@ class MetricsLogger:
 
     def _console_line(self, r: dict) -> str:
         c = (lambda code, s: f"\033[{code}m{s}\033[0m") if self.color else (lambda code, s: s)
-        if "loss" not in r:  # a validation record
-            parts = [c(31, f"step {r['step']:>6}"), c(32, f"validation loss {r['validation_loss']:.4f}")]
+        if "loss" not in r:  # a validation record: held-out loss (language models) or FID of EMA samples (DiTs)
+            parts = [c(31, f"step {r['step']:>6}")]
+            if "validation_loss" in r:
+                parts.append(c(32, f"validation loss {r['validation_loss']:.4f}"))
             if "validation_perplexity" in r:
                 parts.append(c(32, f"perplexity {r['validation_perplexity']:.2f}"))
+            if "validation/fid" in r:
+                parts.append(c(32, f"validation fid {r['validation/fid']:.4f}"))
+            if "validation/inception_score" in r:
+                parts.append(c(32, f"inception_score {r['validation/inception_score']:.2f}"))
+            if "validation/fid_seconds" in r:  # what the pass cost
+                parts.append(f"{r['validation/fid_samples']} samples in {r['validation/fid_seconds']:.1f}s "
+                             f"({r['validation/fid_images_per_second']:.1f} images/s)")  # fmt: skip
             return "  ".join(parts)
         parts = [c(31, f"step {r['step']:>6}"), c(32, f"loss {r['loss']:.4f}")]
         if "dp_noised_grad_norm" in r:  # under DP: the norm of the clipped, noised gradient the optimizer applies

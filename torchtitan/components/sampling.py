@@ -89,7 +89,8 @@ class SampleWriter:
         noise, y = noise.to(self.device), (y.to(self.device) if y is not None else None)
         with compute_context():
             samples = sample_images(self.diffusion, model, noise, y, s.steps, s.sampler, s.cfg_scale,
-                                    args.num_classes, clip_denoised=not self.latent_space)  # fmt: skip
+                                    args.num_classes, clip_denoised=not self.latent_space,
+                                    guidance_channels=s.guidance_channels)  # fmt: skip
         return samples, y
 
     def _save(self, samples: torch.Tensor, labels: torch.Tensor | None, step: int) -> None:

@@ -16,7 +16,11 @@ def build_diffusion(diffusion_config, learn_sigma: bool) -> GaussianDiffusion | 
     if diffusion_config.objective == "ddpm":
         return GaussianDiffusion(diffusion_config.num_timesteps, diffusion_config.noise_schedule, learn_sigma)
     return RectifiedFlow(
-        diffusion_config.timestep_sampling, diffusion_config.logit_normal_mean, diffusion_config.logit_normal_std
+        diffusion_config.timestep_sampling,
+        diffusion_config.logit_normal_mean,
+        diffusion_config.logit_normal_std,
+        diffusion_config.prediction,
+        diffusion_config.x_prediction_t_min,
     )
 
 
@@ -29,9 +33,12 @@ def drop_labels(y: torch.Tensor, prob: float, null_class: int) -> torch.Tensor:
 
 
 def guided(model: ModelFn, cfg_scale: float, null_class: int, guide_channels: int) -> ModelFn:
-    """Classifier-free guidance: out = uncond + s (cond - uncond) on the first guide_channels.
+    """Classifier-free guidance: out = uncond + s (cond - uncond) on the first guide_channels, the conditional
+    output on the rest.
 
-    The conditional and unconditional halves run as one doubled batch.
+    The conditional and unconditional halves run as one doubled batch. facebookresearch/DiT's `forward_with_cfg`
+    guides only the first 3 of its 4 latent channels "for exact reproducibility" of its published FIDs (its
+    comment); guide_channels = 3 reproduces it, guide_channels = C is the standard guidance.
     """
     if cfg_scale == 1.0:
         return model
@@ -45,6 +52,20 @@ def guided(model: ModelFn, cfg_scale: float, null_class: int, guide_channels: in
     return fn
 
 
+SEED_STRIDE = 1_000_003  # batch b of a run seeded s draws its noise from seed s * SEED_STRIDE + b
+
+
+def batch_noise(
+    seed: int, index: int, size: int, channels: int, image_size: int
+) -> tuple[torch.Tensor, torch.Generator]:
+    """The starting noise of batch `index` of a sampling run, on the CPU from a generator of its own, and that
+    generator, which then draws the stochastic 'ddpm' sampler's step noise (`sample_images(generator=...)`): the same
+    batch gets the same images on any rank and in any program that samples it (`sample.py --npz`, the FID while
+    training)."""
+    generator = torch.Generator().manual_seed(seed * SEED_STRIDE + index)
+    return torch.randn(size, channels, image_size, image_size, generator=generator), generator  # (B, C, H, W)
+
+
 def sample_images(
     diffusion,
     model: ModelFn,
@@ -55,14 +76,24 @@ def sample_images(
     cfg_scale: float = 1.0,
     null_class: int = 0,
     clip_denoised: bool = False,
+    guidance_channels: int = -1,
+    generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """Runs the objective's sampler ('ddim' for DDPM, 'euler'/'heun' for flow) with optional CFG."""
+    """Runs the objective's sampler ('ddim' or 'ddpm' for DDPM, 'euler'/'heun' for flow) with optional CFG on the
+    first `guidance_channels` channels of the model's output (-1: all; 3: facebookresearch/DiT's `forward_with_cfg`).
+    `generator` draws the step noise of the stochastic 'ddpm' sampler (None: the global RNG, as the reference)."""
     if cfg_scale != 1.0 and y is not None:
-        model = guided(model, cfg_scale, null_class, noise.shape[1])
+        channels = noise.shape[1] if guidance_channels < 0 else guidance_channels
+        if not 0 < channels <= noise.shape[1]:
+            raise ValueError(f"guidance on {guidance_channels} channels of a {noise.shape[1]}-channel model")
+        model = guided(model, cfg_scale, null_class, channels)
     if isinstance(diffusion, GaussianDiffusion):
+        if sampler == "ddpm":  # ancestral, over respaced timesteps: the DiT paper's sampler
+            return diffusion.ddpm_sample(model, noise, y, steps, clip_denoised, generator)
         if sampler not in ("default", "ddim"):
-            raise ValueError(f"sampling.sampler = {sampler!r}: DDPM samples with 'ddim'")
+            raise ValueError(f"sampling.sampler = {sampler!r}: DDPM samples with 'ddim' or 'ddpm'")
         return diffusion.ddim_sample(model, noise, y, steps, clip_denoised)
     if sampler not in ("default", "euler", "heun"):
-        raise ValueError(f"sampling.sampler = {sampler!r}: rectified flow samples with 'euler' or 'heun'")
+        hint = " ('ddim' and 'ddpm' are the DDPM objective's)" if sampler in ("ddim", "ddpm") else ""
+        raise ValueError(f"sampling.sampler = {sampler!r}: rectified flow samples with 'euler' or 'heun'{hint}")
     return diffusion.sample(model, noise, y, steps, "euler" if sampler == "default" else sampler)

@@ -1,4 +1,4 @@
-"""DDPM with epsilon prediction (Ho et al.), optional learned variance (iDDPM), DDIM sampling.
+"""DDPM with epsilon prediction (Ho et al.), optional learned variance (iDDPM), DDIM and ancestral DDPM sampling.
 
 Follows DiT's setup: linear betas over 1000 steps; with learned sigma the model also outputs
 the log-variance interpolation and the loss adds the variational bound term with a frozen mean.
@@ -52,38 +52,61 @@ def _discretized_gaussian_log_likelihood(x, means, log_scales):
     return log_probs
 
 
+def _tables(betas: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The schedule's float64 tables from its betas (the full chain's, or a respaced one's)."""
+    alphas_cumprod = torch.cumprod(1.0 - betas, dim=0)
+    alphas_cumprod_prev = torch.cat([torch.ones(1, dtype=torch.float64), alphas_cumprod[:-1]])
+    posterior_variance = betas * (1.0 - alphas_cumprod_prev) / (1.0 - alphas_cumprod)
+    # Every table is built here in float64 and cast to float32 only at use, as DiT's gaussian_diffusion.py
+    # does with numpy float64 arrays: near t = 0, 1 - alphas_cumprod is about 1e-4, so forming it (or its
+    # square root) from a float32 alphas_cumprod loses about 3 digits, and the loss with the variational
+    # bound was off from a float64 computation by 1e-5 to 1e-4 relative at t <= 2.
+    posterior_log_variance_clipped = torch.log(torch.cat([posterior_variance[1:2], posterior_variance[1:]]))
+    return {
+        "betas": betas,
+        "log_betas": torch.log(betas),
+        "alphas_cumprod": alphas_cumprod,
+        "alphas_cumprod_prev": alphas_cumprod_prev,
+        "sqrt_alphas_cumprod": alphas_cumprod.sqrt(),
+        "sqrt_one_minus_alphas_cumprod": (1.0 - alphas_cumprod).sqrt(),
+        "sqrt_recip_alphas_cumprod": (1.0 / alphas_cumprod).sqrt(),
+        "sqrt_recipm1_alphas_cumprod": (1.0 / alphas_cumprod - 1.0).sqrt(),
+        "posterior_variance": posterior_variance,
+        # The posterior variance is 0 at t = 0: its log is clipped to the t = 1 value (ADM).
+        "posterior_log_variance_clipped": posterior_log_variance_clipped,
+        # The span of iDDPM's learned log-variance, from the posterior's up to log(beta).
+        "log_variance_range": torch.log(betas) - posterior_log_variance_clipped,
+        # ADM's fixed "large" variance beta_t, with the posterior's at t = 0 for a better decoder likelihood.
+        "fixed_large_log_variance": torch.log(torch.cat([posterior_variance[1:2], betas[1:]])),
+        "posterior_mean_coef1": betas * alphas_cumprod_prev.sqrt() / (1.0 - alphas_cumprod),
+        "posterior_mean_coef2": (1.0 - alphas_cumprod_prev) * (1.0 - betas).sqrt() / (1.0 - alphas_cumprod),
+    }
+
+
+def space_timesteps(num_timesteps: int, steps: int) -> list[int]:
+    """The `steps` timesteps of a respaced chain, ascending: improved-diffusion's `space_timesteps(T, str(steps))`.
+
+    A fractional stride (T - 1) / (steps - 1) from 0, accumulated and rounded as that code does (Python's round,
+    half to even), so the kept timesteps, and the model's inputs, are the reference's: 0, 4, 8, ..., 999 for 250
+    of 1000. Its multi-section and "ddimN" forms are left out: the DiT paper's sampler uses one section.
+    """
+    if not 0 < steps <= num_timesteps:
+        raise ValueError(f"cannot respace {num_timesteps} timesteps into {steps} steps")
+    stride = (num_timesteps - 1) / (steps - 1) if steps > 1 else 1
+    kept, position = [], 0.0
+    for _ in range(steps):
+        kept.append(round(position))
+        position += stride
+    return kept
+
+
 class GaussianDiffusion:
-    """DDPM training loss (one value per sample) and DDIM sampling."""
+    """DDPM training loss (one value per sample), DDIM and ancestral DDPM sampling."""
 
     def __init__(self, num_timesteps: int = 1000, schedule: str = "linear", learn_sigma: bool = False):
         self.num_timesteps = num_timesteps
         self.learn_sigma = learn_sigma
-        betas = _betas(schedule, num_timesteps)
-        alphas_cumprod = torch.cumprod(1.0 - betas, dim=0)
-        alphas_cumprod_prev = torch.cat([torch.ones(1, dtype=torch.float64), alphas_cumprod[:-1]])
-        posterior_variance = betas * (1.0 - alphas_cumprod_prev) / (1.0 - alphas_cumprod)
-        # Every table is built here in float64 and cast to float32 only at use, as DiT's gaussian_diffusion.py
-        # does with numpy float64 arrays: near t = 0, 1 - alphas_cumprod is about 1e-4, so forming it (or its
-        # square root) from a float32 alphas_cumprod loses about 3 digits, and the loss with the variational
-        # bound was off from a float64 computation by 1e-5 to 1e-4 relative at t <= 2.
-        posterior_log_variance_clipped = torch.log(torch.cat([posterior_variance[1:2], posterior_variance[1:]]))
-        self.table = {
-            "betas": betas,
-            "log_betas": torch.log(betas),
-            "alphas_cumprod": alphas_cumprod,
-            "alphas_cumprod_prev": alphas_cumprod_prev,
-            "sqrt_alphas_cumprod": alphas_cumprod.sqrt(),
-            "sqrt_one_minus_alphas_cumprod": (1.0 - alphas_cumprod).sqrt(),
-            "sqrt_recip_alphas_cumprod": (1.0 / alphas_cumprod).sqrt(),
-            "sqrt_recipm1_alphas_cumprod": (1.0 / alphas_cumprod - 1.0).sqrt(),
-            "posterior_variance": posterior_variance,
-            # The posterior variance is 0 at t = 0: its log is clipped to the t = 1 value (ADM).
-            "posterior_log_variance_clipped": posterior_log_variance_clipped,
-            # The span of iDDPM's learned log-variance, from the posterior's up to log(beta).
-            "log_variance_range": torch.log(betas) - posterior_log_variance_clipped,
-            "posterior_mean_coef1": betas * alphas_cumprod_prev.sqrt() / (1.0 - alphas_cumprod),
-            "posterior_mean_coef2": (1.0 - alphas_cumprod_prev) * (1.0 - betas).sqrt() / (1.0 - alphas_cumprod),
-        }
+        self.table = _tables(_betas(schedule, num_timesteps))
         # float32 copies per device, made once: casting before or after the gather gives the same values.
         self._device_tables: dict[torch.device, dict[str, torch.Tensor]] = {}
 
@@ -163,4 +186,59 @@ class GaussianDiffusion:
                 x0 = x0.clamp(-1, 1)
                 eps = (x - math.sqrt(a_t) * x0) / math.sqrt(1 - a_t)
             x = math.sqrt(a_prev) * x0 + math.sqrt(1 - a_prev) * eps
+        return x
+
+    @torch.no_grad()
+    def ddpm_sample(
+        self,
+        model: ModelFn,
+        noise: torch.Tensor,
+        y,
+        steps: int = 250,
+        clip_denoised: bool = False,
+        generator: torch.Generator | None = None,
+    ):
+        """Ancestral DDPM over `steps` respaced timesteps: the DiT paper's sampler (its FIDs use 250 steps).
+
+        As facebookresearch/DiT's `create_diffusion(str(steps)).p_sample_loop`: the respaced chain's betas are
+        1 - alphas_cumprod[t_i] / alphas_cumprod[t_{i-1}] at the kept timesteps (from 1 at the first), the model
+        sees each step's ORIGINAL timestep, and its variance is iDDPM's learned range (from the model's last C
+        channels) under learn_sigma, else the fixed large variance (the reference's default). The step noise is
+        drawn after each model call, on the last step too, which adds none: from the same RNG state the samples
+        are the reference's. `generator` (CPU) draws it instead of the global RNG, so a batch need not depend on
+        what ran before it.
+
+        Classifier-free guidance (`guided`) doubles the batch inside the model call, so the step noise is drawn
+        for B samples; the reference's `forward_with_cfg` runs on a doubled chain and draws it for 2B, keeping the
+        first half. The two agree in distribution, not draw for draw (tests/test_dit_weights.py reproduces the
+        reference's draws by running this sampler on its doubled batch).
+        """
+        x = noise.float()
+        C = x.shape[1]
+        kept = space_timesteps(self.num_timesteps, steps)
+        alphas_cumprod = self.table["alphas_cumprod"][kept]
+        betas = 1.0 - alphas_cumprod / torch.cat([torch.ones(1, dtype=torch.float64), alphas_cumprod[:-1]])
+        # float64 tables of the respaced chain, cast to float32 scalars per step as the reference's are.
+        table = {k: v.float().to(x.device) for k, v in _tables(betas).items()}
+        for i in reversed(range(len(kept))):
+            t = torch.full((x.shape[0],), kept[i], device=x.device, dtype=torch.long)
+            out = model(x, t, y).float()
+            eps = out[:, :C]
+            pred_x0 = table["sqrt_recip_alphas_cumprod"][i] * x - table["sqrt_recipm1_alphas_cumprod"][i] * eps
+            if clip_denoised:
+                pred_x0 = pred_x0.clamp(-1, 1)
+            mean = table["posterior_mean_coef1"][i] * pred_x0 + table["posterior_mean_coef2"][i] * x
+            if generator is None:
+                step_noise = torch.randn_like(x)
+            else:
+                step_noise = torch.randn(x.shape, generator=generator, device=generator.device).to(x.device)
+            if i == 0:  # the last step adds no noise (a one-step chain has no variance table to read)
+                x = mean
+                continue
+            if self.learn_sigma:
+                frac = (out[:, C:] + 1) / 2  # the model's [-1, 1] -> [posterior's log variance, log beta]
+                log_variance = frac * table["log_betas"][i] + (1 - frac) * table["posterior_log_variance_clipped"][i]
+            else:
+                log_variance = table["fixed_large_log_variance"][i]
+            x = mean + torch.exp(0.5 * log_variance) * step_noise
         return x

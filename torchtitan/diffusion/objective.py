@@ -1,9 +1,53 @@
 """The DiT family's training objective for the Trainer: per-sample diffusion losses with layout-independent noise."""
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from torchtitan.diffusion import build_diffusion
+
+
+class LossByTimestep:
+    """minRF's diagnostic: the mean per-sample loss in each of `num_bins` equal bins of t in [0, 1] (rectified flow's
+    t; DDPM's t / num_timesteps), over the samples since the last log, logged as `loss/t_bin_k`.
+
+    Sums and counts stay on the device (adding a micro-batch is a few kernels and no host sync); `metrics` sums them
+    over the data-parallel ranks, as the loss is, so the bins are exact over the global batch whatever the layout.
+    Each of dp.augmult's K draws counts with its own t; Poisson padding (mask 0) counts nowhere.
+    """
+
+    def __init__(self, device: torch.device, num_bins: int = 10):
+        self.num_bins = num_bins
+        # Inner edges k / n, each correctly rounded to float32 as DDPM's t / T is: t = 100 / 1000 meets edge 1 / 10
+        # as the same float and falls in bin 1 (a float32 product t * n can round below the edge).
+        self.edges = (torch.arange(1, num_bins, dtype=torch.float32) / num_bins).to(device)
+        self.totals = torch.zeros(2, num_bins, dtype=torch.float64, device=device)  # loss sums, sample counts
+
+    def add(self, t: torch.Tensor, losses: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        """Adds one micro-batch.
+
+        Args:
+            t: the draws' times in [0, 1], (B K,) with a sample's K draws consecutive.
+            losses: the draws' losses, (B K,) or (B, K).
+            mask: (B,) 1 for a real sample, 0 for Poisson padding; None: all real.
+        """
+        losses = losses.detach().double().reshape(-1)  # (B K,)
+        weight = torch.ones_like(losses)
+        if mask is not None:
+            weight = mask.double().repeat_interleave(losses.numel() // mask.numel())  # each of a sample's K draws
+        bins = torch.bucketize(t.detach().float().reshape(-1), self.edges, right=True)  # (B K,) in [0, n)
+        self.totals[0].index_add_(0, bins, losses * weight)
+        self.totals[1].index_add_(0, bins, weight)
+
+    def metrics(self, group=None) -> dict[str, float]:
+        """`loss/t_bin_k` of every bin that any rank's samples fell in since the last call (a collective over
+        `group` when distributed); starts the next interval."""
+        totals = self.totals.clone()
+        self.totals.zero_()
+        if dist.is_initialized():
+            dist.all_reduce(totals, group=group)
+        sums, counts = totals.tolist()
+        return {f"loss/t_bin_{k}": s / c for k, (s, c) in enumerate(zip(sums, counts)) if c > 0}
 
 
 class DiffusionObjective:
@@ -22,6 +66,8 @@ class DiffusionObjective:
         self.diffusion = build_diffusion(diffusion_config, model_args.learn_sigma)
         self.class_dropout_prob = diffusion_config.class_dropout_prob
         self.args, self.layout = model_args, layout
+        self.loss_by_timestep = LossByTimestep(layout.device)  # the trainer adds `last_draws` of each micro-batch
+        self.last_draws: tuple[torch.Tensor, torch.Tensor] | None = None  # t in [0, 1], losses (B K,), detached
 
     def step_randomness(self, step: int, micro: int, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Timesteps, noise and label-drop mask of this rank's samples for one micro-batch, K = augmult
@@ -57,5 +103,6 @@ class DiffusionObjective:
             y = torch.where(drop, torch.full_like(y, self.args.num_classes), y)  # CFG's null class
         else:
             y = None
-        losses, _ = self.diffusion.training_losses(model, x, y, t=t, noise=noise)
+        losses, t_fraction = self.diffusion.training_losses(model, x, y, t=t, noise=noise)
+        self.last_draws = (t_fraction.detach(), losses.detach())
         return losses.view(-1, k) if k > 1 else losses

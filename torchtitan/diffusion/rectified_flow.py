@@ -2,6 +2,11 @@
 
 Time runs from data (t = 0) to noise (t = 1); the model sees t scaled by 1000 so the timestep
 embedding has the same range as under DDPM.
+
+With prediction "x" the model predicts the clean image x0 and the loss is still taken on the velocity, as JiT
+(Li & He, "Back to Basics: Let Denoising Generative Models Denoise", 2025): v = (x_t - x0) / t, with t floored at
+`t_min` in that denominator for both the target and the prediction, so the loss is |x0 - x0_hat|^2 / max(t, t_min)^2
+and stays finite at t = 0. The samplers integrate the same converted velocity.
 """
 
 import torch
@@ -12,11 +17,28 @@ TIME_SCALE = 1000.0
 
 
 class RectifiedFlow:
-    """Velocity-prediction loss (one value per sample) and Euler/Heun samplers."""
+    """Velocity loss (one value per sample) and Euler/Heun samplers; the model predicts v, or x0 ("x", JiT)."""
 
-    def __init__(self, timestep_sampling: str = "uniform", logit_mean: float = 0.0, logit_std: float = 1.0):
+    def __init__(self, timestep_sampling: str = "uniform", logit_mean: float = 0.0, logit_std: float = 1.0,
+                 prediction: str = "velocity", x_prediction_t_min: float = 0.05):  # fmt: skip
+        if prediction not in ("velocity", "x"):
+            raise ValueError(f"rectified flow predicts 'velocity' or 'x', not {prediction!r}")
         self.timestep_sampling = timestep_sampling
         self.logit_mean, self.logit_std = logit_mean, logit_std
+        self.prediction, self.t_min = prediction, x_prediction_t_min
+
+    def velocity(self, out: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """The model's velocity from its output: the output itself, or from x0_hat (x_t - x0_hat) / max(t, t_min).
+
+        Args:
+            out: the model's prediction (B, C, H, W).
+            x_t: the model's input (B, C, H, W).
+            t: times in [0, 1], (B,) or broadcastable to x_t.
+        """
+        if self.prediction == "velocity":
+            return out
+        t = t.view(-1, *([1] * (x_t.ndim - 1))) if t.ndim == 1 else t
+        return (x_t - out) / t.clamp(min=self.t_min)  # the floor keeps 1/t finite near the data (JiT's t_eps)
 
     def sample_timesteps(self, batch: int, device: torch.device, generator=None) -> torch.Tensor:
         if self.timestep_sampling == "logit_normal":
@@ -42,20 +64,28 @@ class RectifiedFlow:
         x0, noise = x0.float(), noise.float()
         t_b = t.view(-1, *([1] * (x0.ndim - 1)))
         x_t = (1 - t_b) * x0 + t_b * noise
-        v_pred = model(x_t, t * TIME_SCALE, y).float()[:, : x0.shape[1]]
-        loss = (noise - x0 - v_pred).pow(2).flatten(1).mean(1)
+        v_pred = self.velocity(model(x_t, t * TIME_SCALE, y).float()[:, : x0.shape[1]], x_t, t_b)
+        # Under x-prediction the target goes through the same floored conversion as the prediction (JiT): below
+        # t_min, (x_t - x0) / t_min rather than eps - x0, so a perfect x0_hat costs 0 at every t.
+        v = noise - x0 if self.prediction == "velocity" else self.velocity(x0, x_t, t_b)
+        loss = (v - v_pred).pow(2).flatten(1).mean(1)
         return loss, t
 
     @torch.no_grad()
     def sample(self, model: ModelFn, noise: torch.Tensor, y, steps: int = 50, method: str = "euler"):
-        """Integrates dx/dt = v from t = 1 (noise) to t = 0 with Euler or Heun steps."""
+        """Integrates dx/dt = v from t = 1 (noise) to t = 0 with Euler or Heun steps.
+
+        Under x-prediction v is the floored conversion of training, as JiT samples: a step that starts at t < t_min
+        moves x only (t - t_next) / t_min of the way towards x0_hat instead of (t - t_next) / t, so a grid with steps
+        below t_min ends a little short of it (50 steps, t_min 0.05: 0.36 of the noise left at t = 0.04 remains).
+        """
         x = noise.float()
         C = x.shape[1]
         times = torch.linspace(1.0, 0.0, steps + 1).tolist()
 
         def velocity(x, t):
-            t_vec = torch.full((x.shape[0],), t * TIME_SCALE, device=x.device)
-            return model(x, t_vec, y).float()[:, :C]
+            out = model(x, torch.full((x.shape[0],), t * TIME_SCALE, device=x.device), y).float()[:, :C]
+            return self.velocity(out, x, torch.full((x.shape[0],), t, device=x.device))
 
         for t, t_next in zip(times[:-1], times[1:]):
             dt = t_next - t

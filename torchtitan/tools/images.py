@@ -1,4 +1,4 @@
-"""Image grids: [-1, 1] tensors -> PNG."""
+"""Images out of samplers: [-1, 1] tensors -> PNG grids, or uint8 arrays in ADM's layout."""
 
 import math
 from pathlib import Path
@@ -6,6 +6,15 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
+
+
+def to_uint8_nhwc(images: torch.Tensor) -> np.ndarray:
+    """(N, C, H, W) in [-1, 1] -> (N, H, W, 3) uint8, grey repeated to RGB: ADM's `arr_0`, as `sample.py --npz`
+    writes it and the FID's Inception network reads it."""
+    images = ((images.float().cpu().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+    if images.shape[1] == 1:
+        images = images.repeat(1, 3, 1, 1)
+    return images.permute(0, 2, 3, 1).contiguous().numpy()
 
 
 def save_image_grid(images: torch.Tensor, path: Path, nrow: int = 0) -> Path:
