@@ -63,6 +63,15 @@ def load_reference(folder: Path) -> ModuleType:
     return module
 
 
+def reference_load_error(folder: Path, error: Exception) -> str:
+    """The one `error:` line for a reference checkout that `load_reference` (or its diffusion package) could not
+    load: a missing file (FileNotFoundError) or a failed import (ImportError: timm, which its models.py imports)."""
+    if isinstance(error, FileNotFoundError):
+        return (f"error: no reference DiT in {folder}: {error.args[0]} does not exist (--reference-dit: a checkout of "
+                "github.com/facebookresearch/DiT)")  # fmt: skip
+    return f"error: importing the reference DiT in {folder} failed: {error}"
+
+
 def reference_args(model: nn.Module, image_size: int) -> DiTArgs:
     """Our DiTArgs of the reference model's shape, for our FLOP count (its sincos position embedding adds none)."""
     dim = model.x_embedder.proj.out_channels

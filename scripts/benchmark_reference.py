@@ -53,7 +53,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scripts.benchmark_opacus_reference import NUM_CLASSES, load_reference, reference_args  # noqa: E402
+from scripts.benchmark_opacus_reference import (  # noqa: E402
+    NUM_CLASSES,
+    load_reference,
+    reference_args,
+    reference_load_error,
+)
 from scripts.lib import result_table, warm_summary  # noqa: E402
 from torchtitan.components.metrics import ThroughputMeter  # noqa: E402
 from torchtitan.models.dit.model import flops_per_image  # noqa: E402
@@ -243,12 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         reference = load_reference(args.reference_dit)
         diffusion = load_reference_diffusion(args.reference_dit)
-    except FileNotFoundError as missing:
-        print(f"error: no reference DiT in {args.reference_dit}: {missing.args[0]} does not exist (--reference-dit: "
-              f"a checkout of github.com/facebookresearch/DiT)", file=sys.stderr)  # fmt: skip
-        return 2
-    except ImportError as failed:  # timm, which the reference's models.py imports
-        print(f"error: importing the reference DiT in {args.reference_dit} failed: {failed}", file=sys.stderr)
+    except (FileNotFoundError, ImportError) as e:
+        print(reference_load_error(args.reference_dit, e), file=sys.stderr)
         return 2
     if args.model not in reference.DiT_models:
         print(f"error: --model {args.model!r} is not in the reference's DiT_models: {sorted(reference.DiT_models)}",

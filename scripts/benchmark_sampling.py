@@ -50,7 +50,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scripts.benchmark_opacus_reference import load_reference  # noqa: E402
+from scripts.benchmark_opacus_reference import load_reference, reference_load_error  # noqa: E402
 from torchtitan.tools.runs import TORCHRUN_VARS, run_to_end, status_of  # noqa: E402
 
 SD_VAE_REPO = "stabilityai/sd-vae-ft-ema"  # sample_ddp.py's default `--vae ema`
@@ -315,12 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         reference = check_args_and_load_reference(args)
-    except FileNotFoundError as missing:
-        print(f"error: no reference DiT in {args.reference_dit}: {missing.args[0]} does not exist (--reference-dit: "
-              f"a checkout of github.com/facebookresearch/DiT)", file=sys.stderr)  # fmt: skip
-        return 2
-    except ImportError as failed:  # timm, which the reference's models.py imports
-        print(f"error: importing the reference DiT in {args.reference_dit} failed: {failed}", file=sys.stderr)
+    except (FileNotFoundError, ImportError) as e:
+        print(reference_load_error(args.reference_dit, e), file=sys.stderr)
         return 2
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
