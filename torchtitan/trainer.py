@@ -254,6 +254,8 @@ class Trainer:
         x, y, mask = batch
         with self.tracked():
             losses = self.forward_losses(x, y, self.step, micro)
+        if self.loss_bins is not None:  # on the device, read at log steps; the draws' times are let go before backward
+            self.loss_bins.add(*self.objective.take_draws(), mask)
         self.stage("forward")
         with self.tracked(), self.attention_context():
             if self.private is not None:
@@ -313,8 +315,6 @@ class Trainer:
             mask = batch[2]
             loss_sum += (losses if mask is None else losses * mask).sum()
             loss_count += losses.shape[0] if mask is None else mask.sum()
-            if self.loss_bins is not None:  # on the device, read at log steps
-                self.loss_bins.add(*self.objective.last_draws, mask)
         grad_norm = self.grad_norm()
         max_norm = self.job_config.training.max_norm if self.private is None else 0.0  # DP clips per sample instead
         if max_norm > 0:

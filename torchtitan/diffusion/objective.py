@@ -66,8 +66,14 @@ class DiffusionObjective:
         self.diffusion = build_diffusion(diffusion_config, model_args.learn_sigma)
         self.class_dropout_prob = diffusion_config.class_dropout_prob
         self.args, self.layout = model_args, layout
-        self.loss_by_timestep = LossByTimestep(layout.device)  # the trainer adds `last_draws` of each micro-batch
+        self.loss_by_timestep = LossByTimestep(layout.device)  # the trainer adds each micro-batch's `take_draws()`
         self.last_draws: tuple[torch.Tensor, torch.Tensor] | None = None  # t in [0, 1], losses (B K,), detached
+
+    def take_draws(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last micro-batch's times in [0, 1] and losses, detached, let go here: nothing the loss binning needs
+        stays alive through the backward (DDPM's t / T is a tensor of its own)."""
+        draws, self.last_draws = self.last_draws, None
+        return draws
 
     def step_randomness(self, step: int, micro: int, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Timesteps, noise and label-drop mask of this rank's samples for one micro-batch, K = augmult
