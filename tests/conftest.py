@@ -21,12 +21,14 @@ needs_cuda_triton = pytest.mark.skipif(
     not torch.cuda.is_available() or triton_interpreting(), reason="needs CUDA, compiled"
 )
 
-# Integration tests whose interpreter child runs the kernels inside a whole DiT (converters, DP, the memory estimate)
-# run a small image there, 8x8 (16 tokens) instead of 16x16, and the modulated norm's backward walks 16 tokens a step
-# instead of 2: the interpreter runs each program, and each step of its loop, in Python, and these two settings make
-# those children about 3x faster (89/56/56 s -> 28/19/20 s alone). The tile only paces the GPU;
-# test_kernels_adaln_norm checks its values and ragged ends.
-INTERPRETED_IMAGE_SIZE = 8 if triton_interpreting() else 16
+# Integration tests whose interpreter child runs the kernels inside a whole DiT (converters, DP) run a small image
+# there, 4x4 (4 tokens) instead of 16x16, and the modulated norm's backward walks 16 tokens a step instead of 2: the
+# interpreter runs each program (the norm's forward has one per token), and each step of its loop, in Python. 8x8
+# images and the tile made those children about 3x faster (89/56 s -> 28/19 s alone); 4x4 takes another third off
+# their CPU time (the converters' two AC tests 36 -> 24 CPU-s, the DP child 53 -> 39). The tile only paces the GPU,
+# and these tests check the converters' wiring: test_kernels_adaln_norm, _mlp and _qkv check each kernel's values over
+# several tiles and ragged ends.
+INTERPRETED_IMAGE_SIZE = 4 if triton_interpreting() else 16
 
 
 @pytest.fixture

@@ -28,14 +28,14 @@ AC = {
     "every_2nd": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"],
 }
 COMPILE = ["--compile.enable", "true"]
-# The TRITON_INTERPRET=1 child of test_converters_in_interpreter runs only the kernel-path tests (on 8x8 images).
+# The TRITON_INTERPRET=1 child of test_converters_in_interpreter runs only the kernel-path tests (on 4x4 images).
 parent_only = pytest.mark.skipif(triton_interpreting(), reason="runs in the parent process")
 pytestmark = pytest.mark.usefixtures("interpreter_launch")
 SIZE = INTERPRETED_IMAGE_SIZE
 
 
 def _plain_dit() -> DiT:
-    """The debug DiT (4 blocks, 64 tokens; 16 in the interpreter), every parameter nudged off its init (adaLN-Zero's
+    """The debug DiT (4 blocks, 64 tokens; 4 in the interpreter), every parameter nudged off its init (adaLN-Zero's
     zeros hide gradients)."""
     torch.manual_seed(0)
     model = DiT(replace(dit_configs["debug"], input_size=SIZE))

@@ -53,11 +53,11 @@ def _run(fn, x, branch, modulation, grads, residual, use_grad_x_new, kind):
 )  # fmt: skip
 @pytest.mark.parametrize("rows,tile", [(32, 2), (8, 4)])
 def test_kernels_match_torch(monkeypatch, kind, residual, use_grad_x_new, save_output, rows, tile):
-    # T = 37 leaves a ragged last run of tokens (and a ragged tile); D = 48 a masked row (block of 64). save_output:
-    # backward reads the kept x' instead of recomputing it from x.
+    # B = 2: each sample its own modulation row, at a stride. T = 37 leaves a ragged last run of tokens (and a ragged
+    # tile); D = 48 a masked row (block of 64). save_output: backward reads the kept x' instead of recomputing it.
     monkeypatch.setitem(an.LAUNCH, "bwd_rows", rows)
     monkeypatch.setitem(an.LAUNCH, "bwd_tile", tile)
-    args = _inputs(3, 37, 48, torch.float32)
+    args = _inputs(2, 37, 48, torch.float32)
     ref = _run(an.modulated_norm_torch, *[t.double() if torch.is_tensor(t) else t for t in args[:3]],
                [g.double() for g in args[3]], residual, use_grad_x_new, kind)  # fmt: skip
 

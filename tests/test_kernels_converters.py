@@ -65,7 +65,7 @@ def _graph_nodes(out: torch.Tensor) -> set[str]:
 
 def assert_matches_the_plain_model(names: list[str], ac: tuple[str, str] = ("none", "op"), **overrides) -> None:
     """Outputs and every parameter's gradient of the converted debug DiT (zero-inits broken) against the plain one's:
-    equal on CPU (the same torch maths); with the kernels (8x8 images there, conftest.INTERPRETED_IMAGE_SIZE), fp32
+    equal on CPU (the same torch maths); with the kernels (4x4 images there, conftest.INTERPRETED_IMAGE_SIZE), fp32
     within rtol 1e-4 and atol 1e-5 (sums in another order; gradients here are about 1e-2), and each converter's
     kernel in the graph."""
     overrides = {"input_size": INTERPRETED_IMAGE_SIZE, **overrides}

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tests.conftest import INTERPRETED_IMAGE_SIZE, ROOT
+from tests.conftest import ROOT
 from torchtitan.components.ema import EMA
 from torchtitan.config_manager import parse_args
 from torchtitan.dp.testing import rerun_under_triton_interpreter
@@ -30,6 +30,10 @@ from torchtitan.tools.memory_estimate import (
 from torchtitan.tools.memory_estimate_llama3 import estimate_llama3_memory
 from torchtitan.tools.memory_estimate_llama3 import parameter_shapes as llama3_parameter_shapes
 
+# The TRITON_INTERPRET=1 child of test_kernels_in_interpreter runs only the kernels' rows (of
+# test_eager_fp32_activations_are_exact_on_cpu); the parent runs the rest, which no kernel reaches.
+parent_only = pytest.mark.skipif(triton_interpreting(), reason="no kernels: the parent process runs it")
+
 VARIANTS = {
     "debug": dit_configs["debug"],
     "DiT-XL/2": dit_configs["DiT-XL/2"],
@@ -39,6 +43,7 @@ VARIANTS = {
 }
 
 
+@parent_only
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_parameter_shapes_match_the_model(name):
     args = VARIANTS[name]
@@ -62,6 +67,7 @@ def _train_step(model, args, batch: int = 2):
     model(x, torch.rand(batch) * 999, torch.randint(0, args.num_classes, (batch,))).square().mean().backward()
 
 
+@parent_only
 def test_state_bytes_are_exact_for_the_debug_model():
     args = dit_configs["debug"]
     model = DiT(args)
@@ -74,6 +80,7 @@ def test_state_bytes_are_exact_for_the_debug_model():
     assert _count(model, optimizer, ema) == {k: estimate.parts[k] for k in _count(model, optimizer, ema)}
 
 
+@parent_only
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_sgd_state_bytes_are_exact(momentum):
     args = dit_configs["debug"]
@@ -88,6 +95,7 @@ def test_sgd_state_bytes_are_exact(momentum):
     assert (estimate.parts["optimizer_states"] > 0) == (momentum > 0)
 
 
+@parent_only
 def test_state_bytes_are_exact_for_xl2_on_meta():
     args = dit_configs["DiT-XL/2"]
     with torch.device("meta"):
@@ -104,6 +112,7 @@ def test_state_bytes_are_exact_for_xl2_on_meta():
     assert parts["ema"] == 4 * numel
 
 
+@parent_only
 def test_shard_numel_follows_torch_chunk():
     for rows, world in [(11, 4), (1001, 4), (3, 4), (4608, 8), (1, 8)]:
         chunks = torch.chunk(torch.empty(rows, 3), world)
@@ -133,6 +142,7 @@ def _shard(model, mesh, reshard_after_forward: str = "default") -> None:
     apply_fsdp(model, list(model.blocks.values()), mesh, torch.float32, torch.float32, reshard_after_forward)
 
 
+@parent_only
 @pytest.mark.parametrize("reshard_after_forward", ["default", "never", "always"])
 def test_fsdp_shards_match_fully_shard(fake_world, reshard_after_forward):
     """Debug model materialized on rank 3 of 4: padded parameters and gradients, unpadded AdamW and EMA, and the
@@ -162,6 +172,7 @@ def test_fsdp_shards_match_fully_shard(fake_world, reshard_after_forward):
     assert estimate.parts["parameters"] == 4 * padded > 4 * sum(p.to_local().numel() for p in model.parameters())
 
 
+@parent_only
 def test_fsdp_shards_of_xl2_on_meta(fake_world):
     args = dit_configs["DiT-XL/2"]
     with torch.device("meta"):
@@ -212,7 +223,7 @@ def test_eager_fp32_activations_are_exact_on_cpu(tmp_path, monkeypatch, request,
             return record(self, *args, **kwargs)
 
         monkeypatch.setattr(MemoryBreakdown, "record", record_collected)
-    size = ["--model.input_size", str(INTERPRETED_IMAGE_SIZE)]  # 16, or 8 in the interpreter (the digits are 8x8)
+    size = ["--model.input_size", "8" if triton_interpreting() else "16"]  # the interpreter's: the digits are 8x8
     args = [*TINY, *extra, *size, "--model.converters", converters, "--job.dump_folder", str(tmp_path)]
     measured = measure_breakdown(args, steps=1)["records"][1]
     assert measured["stage"] == "forward"
@@ -225,6 +236,7 @@ def test_kernels_in_interpreter():
     rerun_under_triton_interpreter(__file__, min_passed=len(INTERPRETED))
 
 
+@parent_only
 def test_compiled_bf16_estimate_matches_the_h100_measurement():
     """DiT-XL/2 with sin-cos positions (its configs), bf16 autocast, compiled blocks, batch 128: one forward kept
     282.1 MiB per image on an H100 (docs/memory.md, 2026-11-24)."""
@@ -239,6 +251,7 @@ def test_compiled_bf16_estimate_matches_the_h100_measurement():
     assert eager.parts["activations"] > compiled.parts["activations"] and eager.parts["autocast_weight_copies"] > 0
 
 
+@parent_only
 def test_checkpointing_and_sharding_lower_the_estimate():
     args = dit_configs["0.5B"]
     peaks = [estimate_memory(args, 32, ac_mode=mode, compiled=True).peak for mode in ("none", "selective", "full")]
@@ -248,6 +261,7 @@ def test_checkpointing_and_sharding_lower_the_estimate():
     assert ddp["ddp_buckets"] == ddp["gradients"]
 
 
+@parent_only
 def test_max_batch_that_fits():
     def estimate(batch):
         return estimate_memory(dit_configs["DiT-XL/2"], batch, compiled=True)
@@ -258,6 +272,7 @@ def test_max_batch_that_fits():
     assert max_batch_that_fits(2**20, estimate) == 0
 
 
+@parent_only
 def test_cli_prints_the_derivation(capsys):
     from torchtitan.tools.memory_estimate import main
 
@@ -278,6 +293,7 @@ def test_cli_prints_the_derivation(capsys):
     assert "gate_mlp copies handed on by 28 block(s)" in converted and "by 0 block(s)" in plain
 
 
+@parent_only
 def test_job_config_estimate_follows_fsdp_reshard_after_forward():
     """`fsdp_reshard_after_forward = "never"` keeps every block's gathered parameters: the 7B flavor on 2 H200s
     peaked 12.3 GiB higher with it at 16 images a GPU (docs/benchmark_log.md, 2026-11-24, night)."""
@@ -292,7 +308,7 @@ def test_job_config_estimate_follows_fsdp_reshard_after_forward():
 
 # Llama 3: the same estimator with the family's own description (torchtitan/tools/memory_estimate_llama3.py). No
 # Triton kernel runs in these, so the interpreter child of `test_kernels_in_interpreter` skips them.
-llama3_test = pytest.mark.skipif(triton_interpreting(), reason="no kernels: the parent process runs it")
+llama3_test = parent_only
 
 LLAMA3_VARIANTS = {
     "debugmodel": llama3_configs["debugmodel"],

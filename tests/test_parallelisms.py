@@ -97,26 +97,54 @@ def layout_gradients(out: Path, nproc: int, cases: dict[str, list[str]]) -> dict
     return {name: torch.load(out / f"{name}.pt") for name in cases}
 
 
+# A torchrun launch costs every rank the trainer's imports and the process group's start (about 10 CPU-s a process
+# on CI's 2 cores): one process's plain and DP-SGD gradients come from one launch, and each layout's from one launch
+# shared by test_every_gradient_matches_one_process and test_dp_gradient_matches_one_process.
 @pytest.fixture(scope="module")
-def one_process_gradients(tmp_path_factory):
-    out = tmp_path_factory.mktemp("grads_one")
-    return layout_gradients(out, 1, {"one": [*GRAD_ARGS, "--training.local_batch_size", "8"]})["one"]
+def one_process_runs(tmp_path_factory):
+    one_dp = [*DP_ARGS, "--training.local_batch_size", "8"]
+    cases = {"one": [*GRAD_ARGS, "--training.local_batch_size", "8"], "plain": one_dp, "augmult": [*one_dp, *AUGMULT]}
+    return layout_gradients(tmp_path_factory.mktemp("grads_one"), 1, cases)
+
+
+@pytest.fixture(scope="module")
+def layout_runs(tmp_path_factory):
+    """layout -> {case: gradients} for the cases of both tests below, run on first use."""
+    runs = {}
+
+    def run(layout: str) -> dict[str, dict]:
+        if layout not in runs:
+            cases = {**gradient_cases(layout), **dp_gradient_cases(layout)}
+            runs[layout] = layout_gradients(tmp_path_factory.mktemp(f"grads_{layout}"), LAYOUTS[layout][0], cases)
+        return runs[layout]
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def one_process_gradients(one_process_runs):
+    return one_process_runs["one"]
+
+
+def gradient_cases(layout: str) -> dict[str, list[str]]:
+    layout_args = LAYOUTS[layout][1]
+    variants = {**VARIANTS, **WHOLE_MODEL} if layout == "ddp" else VARIANTS
+    return {f"{layout}_{v}": [*GRAD_ARGS, *layout_args, *args] for v, args in variants.items()}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_every_gradient_matches_one_process(one_process_gradients, tmp_path, layout):
+def test_every_gradient_matches_one_process(one_process_gradients, layout_runs, layout):
     """Every parameter's full gradient after one forward+backward, in each AC and compile variant (and under DDP
     with the whole model compiled, its graph split at DDP's buckets), equals one
     process's within 1e-5 relative (fp32; only the reduction order differs), with adaLN-Zero's zeros re-drawn so
     no gradient hides behind a zero; the weights start identical (the init draws whole tensors in every layout); and
     the norm the trainer clips and logs by is the norm of exactly these gradients."""
-    nproc, layout_args = LAYOUTS[layout]
-    variants = {**VARIANTS, **WHOLE_MODEL} if layout == "ddp" else VARIANTS
-    cases = {f"{layout}_{v}": [*GRAD_ARGS, *layout_args, *args] for v, args in variants.items()}
     reference = one_process_gradients
     assert all(g.norm() > 0 for g in reference["grads"].values()), "a zero reference gradient hides nothing"
-    for name, got in layout_gradients(tmp_path, nproc, cases).items():
+    runs = layout_runs(layout)
+    for name in gradient_cases(layout):
+        got = runs[name]
         for param, weight in reference["init"].items():
             assert torch.equal(got["init"][param], weight), f"{name}: {param} starts from other weights"
         for param, expected in reference["grads"].items():
@@ -178,15 +206,11 @@ DP_LAYOUTS = {"ddp": ["fbk_compiled_full_ac"], "fsdp": list(DP_VARIANTS), "hsdp"
 
 
 @pytest.fixture(scope="module")
-def one_process_dp_gradients(tmp_path_factory):
-    out = tmp_path_factory.mktemp("dp_grads_one")
-    one = [*DP_ARGS, "--training.local_batch_size", "8"]
-    return layout_gradients(out, 1, {"plain": one, "augmult": [*one, *AUGMULT]})
+def one_process_dp_gradients(one_process_runs):
+    return {"plain": one_process_runs["plain"], "augmult": one_process_runs["augmult"]}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("layout", list(DP_LAYOUTS))
-def test_dp_gradient_matches_one_process(one_process_dp_gradients, tmp_path, layout):
+def dp_gradient_cases(layout: str) -> dict[str, list[str]]:
     nproc, layout_args = LAYOUTS[layout]
     local_batch = 8 // nproc
     cases = {}
@@ -194,7 +218,15 @@ def test_dp_gradient_matches_one_process(one_process_dp_gradients, tmp_path, lay
         args, micro_batches = DP_VARIANTS[variant]
         local = ["--training.local_batch_size", str(local_batch // micro_batches)]  # the last word wins
         cases[f"{layout}_{variant}"] = [*DP_ARGS, *layout_args, *local, *args]
-    for name, got in layout_gradients(tmp_path, nproc, cases).items():
+    return cases
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(DP_LAYOUTS))
+def test_dp_gradient_matches_one_process(one_process_dp_gradients, layout_runs, layout):
+    runs = layout_runs(layout)
+    for name in dp_gradient_cases(layout):
+        got = runs[name]
         reference = one_process_dp_gradients["augmult" if "augmult" in name else "plain"]
         for param, expected in reference["grads"].items():
             error = (got["grads"][param] - expected).norm() / expected.norm()
