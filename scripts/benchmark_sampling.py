@@ -22,9 +22,10 @@ Then it runs, one after the other on the same GPU, each in processes of its own:
    the reference's per-batch work.
 2. ours: `python sample.py --checkpoint CKPT --flavor MODEL --npz ... --guidance-channels 3 --sampler default`
    with the same N, B, steps, guidance scale and VAE (`--latent.scale_factor 0.18215`, the reference's
-   `samples / 0.18215`), plus `--ours-extra` (e.g. "--compile"). Its rate is the one sample.py prints,
-   `sampling: {n} images after the first batch in {seconds:.2f} s: {rate:.2f} images/s` (also after the first
-   batch); without that line the wall time of the whole process stands in (model loading included), with a warning.
+   `samples / 0.18215`), plus `--ours-extra` (e.g. `--ours-extra=--compile`: a lone flag needs the `=`). Its
+   rate is the one sample.py prints, `sampling: {n} images after the first batch in {seconds:.2f} s: {rate:.2f}
+   images/s` (also after the first batch); without that line the wall time of the whole process stands in (model
+   loading included), with a warning.
 
 Prints one JSON line per side, then a table (images/s, batch, steps, ours / reference); `--json-out` writes the
 rows as a JSON list, as scripts/benchmark.py does. Example (the reference checkout needs models.py, download.py,
@@ -260,7 +261,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=250, help="DDPM sampling steps")
     parser.add_argument("--cfg-scale", type=float, default=1.5, help="classifier-free guidance scale")
     parser.add_argument("--seed", type=int, default=0, help="weights' and samplers' seed")
-    parser.add_argument("--ours-extra", default="", help="more sample.py flags, one shell string (e.g. --compile)")
+    parser.add_argument("--ours-extra", default="", help="more sample.py flags, one string: --ours-extra=--compile")
     parser.add_argument("--ours-name", default="ours_sample_py", help="our row's name")
     parser.add_argument("--reference-name", default="reference_sample_ddp", help="the reference's row's name")
     parser.add_argument("--skip-reference", action="store_true", help="run ours only")
