@@ -48,3 +48,17 @@ def test_pixels_travel_as_uint8_and_arrive_in_the_unit_range():
     assert torch.equal(y, labels)
     latents = DummyDataset(4, 8, 10)[0][0]  # other channel counts are latents: float32 as they are
     assert latents.dtype == torch.float32 and torch.equal(batch_to_device((latents,), torch.device("cpu"))[0], latents)
+
+
+def test_close_stops_persistent_workers():
+    """Trainer.close stops the loader's worker processes at once, not when the process ends (persistent workers
+    live as long as the loader object)."""
+    config = JobConfig().training.dataloader
+    config.num_workers, config.persistent_workers = 2, True
+    feed = DevicePrefetcher(DiffusionDataLoader(DigitsDataset(8), 16, 0, 1, 3, config), torch.device("cpu"))
+    next(feed)
+    feed.prefetch()
+    workers = feed.host.loader._iterator._workers
+    assert len(workers) == 2 and all(w.is_alive() for w in workers)
+    feed.close()
+    assert not any(w.is_alive() for w in workers) and feed.host.loader._iterator is None

@@ -286,10 +286,15 @@ class Trainer:
         self.dataloader.prefetch()
         self.meter.data_time += time.perf_counter() - data_start
 
+    def optimized_params(self) -> list[torch.Tensor]:
+        """The parameters the optimizer updates, from its groups: no walk over the module tree each step (about
+        300 modules for DiT-XL/2, twice a step, host time a short step cannot spare)."""
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
     def grad_norm(self) -> torch.Tensor:
         """The global L2 norm of the gradients the optimizer is about to apply (FSDP shards gathered, DDP's all-reduced
         ones as they are: every rank gets the same value)."""
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        grads = [p.grad for p in self.optimized_params() if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads, foreach=True)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
@@ -318,7 +323,7 @@ class Trainer:
         grad_norm = self.grad_norm()
         max_norm = self.job_config.training.max_norm if self.private is None else 0.0  # DP clips per sample instead
         if max_norm > 0:
-            params = [p for p in self.model.parameters() if p.grad is not None]
+            params = [p for p in self.optimized_params() if p.grad is not None]
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, grad_norm, foreach=True)
         lr = self.optimizer.param_groups[0]["lr"]  # the lr this update applies
         with self.guard.update(self.step + 1, loss_sum, grad_norm):
@@ -457,6 +462,7 @@ class Trainer:
                              "the weights")  # fmt: skip
 
     def close(self) -> None:
+        self.dataloader.close()  # its worker processes, persistent ones included
         self.profiler.close()
         self.metrics.close()
         if self.run_lock is not None:

@@ -7,6 +7,17 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchtitan.tools.logging import logger
 
 
+def stop_workers(loader, iterator) -> None:
+    """Stops a loader's worker processes now, persistent ones included, rather than whenever the iterators holding
+    them are collected (a process that builds several trainers, or goes on after one, would keep them)."""
+    for held in (iterator, getattr(loader, "_iterator", None)):
+        shutdown = getattr(held, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+    if getattr(loader, "_iterator", None) is not None:
+        loader._iterator = None
+
+
 class DiffusionDataLoader:
     """Endless iterator of (images, labels) batches for one data-parallel rank.
 
@@ -52,6 +63,11 @@ class DiffusionDataLoader:
             except StopIteration:
                 self.epoch += 1
                 self._iterator = None
+
+    def close(self) -> None:
+        """Stops the worker processes, at the end of training (the loader is not used after)."""
+        stop_workers(self.loader, self._iterator)
+        self._iterator = None
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "loader": self.loader.state_dict()}
@@ -182,6 +198,11 @@ class PoissonDataLoader:
         inputs, labels, mask = next(self._iterator)  # in step order: the loader keeps its sampler's order
         self.batch_sampler.step += 1
         return inputs, labels, mask
+
+    def close(self) -> None:
+        """Stops the worker processes, at the end of training (the loader is not used after)."""
+        stop_workers(self.loader, self._iterator)
+        self._iterator = None
 
     def state_dict(self) -> dict:
         return self.batch_sampler.state_dict()

@@ -23,11 +23,11 @@ def batch_to_device(batch: tuple, device: torch.device, non_blocking: bool = Fal
 class DevicePrefetcher:
     """This rank's batches on the device, the next one fetched while the current step runs.
 
-    Wraps a host loader (an endless iterator of tensor tuples with `dataset`, `state_dict()` and
-    `load_state_dict(state, same_layout)`). `prefetch()`, called once a step's work is queued, takes the next batch
-    from the host loader and starts its copy; on CUDA the copy runs on a side stream from pinned memory, so it
-    neither waits for the GPU's queue nor holds the host, and the step that takes the batch waits for the copy
-    alone. Without a prefetched batch `next()` fetches one.
+    Wraps a host loader (an endless iterator of tensor tuples with `dataset`, `state_dict()`,
+    `load_state_dict(state, same_layout)` and `close()`). `prefetch()`, called once a step's work is queued, takes
+    the next batch from the host loader and starts its copy; on CUDA the copy runs on a side stream from pinned
+    memory, so it neither waits for the GPU's queue nor holds the host, and the step that takes the batch waits for
+    the copy alone. Without a prefetched batch `next()` fetches one.
 
     The state is the host loader's from before the batch that was fetched ahead: a checkpoint saved between a
     prefetch and the step that uses it resumes with that batch, as an unprefetched run would.
@@ -76,6 +76,11 @@ class DevicePrefetcher:
             for tensor in batch:  # made on the side stream, used on this one: not reused before this use is done
                 tensor.record_stream(current)
         return batch
+
+    def close(self) -> None:
+        """Drops the batch fetched ahead and stops the host loader's worker processes (the end of training)."""
+        self._ahead = None
+        self.host.close()
 
     def state_dict(self) -> dict:
         return self._ahead[2] if self._ahead is not None else self.host.state_dict()
