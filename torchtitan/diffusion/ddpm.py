@@ -4,6 +4,7 @@ Follows DiT's setup: linear betas over 1000 steps; with learned sigma the model 
 the log-variance interpolation and the loss adds the variational bound term with a frozen mean.
 """
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -148,24 +149,48 @@ class GaussianDiffusion:
             loss = loss + self._vb_term(eps_pred.detach(), out[:, C:], x0, x_t, t)
         return loss, t.float() / self.num_timesteps
 
+    def _p_mean(
+        self, eps: torch.Tensor, x_t: torch.Tensor, coef: Callable[[str], torch.Tensor], clip_denoised: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mean of the model's p(x_{t-1} | x_t) and the x0 prediction it comes from, as the `mean` and
+        `pred_xstart` of facebookresearch/DiT's `p_mean_variance`: x0 = sqrt(1 / a_t) x_t - sqrt(1 / a_t - 1) eps,
+        then the mean of the posterior q(x_{t-1} | x_t, x0), coef1 x0 + coef2 x_t.
+
+        The variance stays with the callers, whose float32 forms of iDDPM's learned interpolation differ on
+        purpose: the sampler rounds frac log(beta) + (1 - frac) log(posterior variance) as the reference does, for
+        the reference's samples (tests/test_dit_weights.py); the loss forms its gap above the posterior's
+        log-variance directly (`_vb_term`), which keeps the KL's digits.
+
+        Args:
+            eps: predicted noise (B, C, H, W), float32.
+            x_t: the noisy input (B, C, H, W), float32.
+            coef: a table's name -> its float32 value at this step, broadcastable to x_t: (B, 1, ..., 1) gathered
+                at t for the loss, a scalar of the respaced chain for the sampler.
+            clip_denoised: clamp the x0 prediction to [-1, 1] before the mean is formed from it.
+
+        Returns:
+            The mean and the x0 prediction, each (B, C, H, W).
+        """
+        pred_x0 = coef("sqrt_recip_alphas_cumprod") * x_t - coef("sqrt_recipm1_alphas_cumprod") * eps
+        if clip_denoised:
+            pred_x0 = pred_x0.clamp(-1, 1)
+        mean = coef("posterior_mean_coef1") * pred_x0 + coef("posterior_mean_coef2") * x_t
+        return mean, pred_x0
+
     def _vb_term(self, eps, var_values, x0, x_t, t):
         """The variational bound in bits per dimension (B,), as iDDPM's L_vlb.
 
         KL(q(x_{t-1} | x_t, x0) || p(x_{t-1} | x_t)) for t > 0, the discretized decoder NLL at t = 0.
         """
-        nd = x0.ndim
-        coef1 = self._gather("posterior_mean_coef1", t, nd)
-        pred_x0 = (
-            self._gather("sqrt_recip_alphas_cumprod", t, nd) * x_t
-            - self._gather("sqrt_recipm1_alphas_cumprod", t, nd) * eps
-        )
-        mean = coef1 * pred_x0 + self._gather("posterior_mean_coef2", t, nd) * x_t
+        coef = functools.partial(self._gather, t=t, ndim=x0.ndim)  # (B, 1, ..., 1) per table
+        mean, pred_x0 = self._p_mean(eps, x_t, coef)
         # The model outputs [-1, 1]; its log-variance is that fraction of the way from the posterior's to
         # log(beta) (iDDPM), so its gap above the posterior's is formed directly, without cancellation.
-        logvar_gap = (var_values + 1) / 2 * self._gather("log_variance_range", t, nd)
-        logvar = self._gather("posterior_log_variance_clipped", t, nd) + logvar_gap
+        logvar_gap = (var_values + 1) / 2 * coef("log_variance_range")
+        logvar = coef("posterior_log_variance_clipped") + logvar_gap
         # The true and the model's posterior means share coef2 x_t: they differ by exactly coef1 (x0 - pred_x0).
-        kl = _normal_kl(coef1 * (x0 - pred_x0), logvar_gap, logvar).flatten(1).mean(1) / math.log(2.0)
+        mean_gap = coef("posterior_mean_coef1") * (x0 - pred_x0)
+        kl = _normal_kl(mean_gap, logvar_gap, logvar).flatten(1).mean(1) / math.log(2.0)
         nll = -_discretized_gaussian_log_likelihood(x0, mean, 0.5 * logvar).flatten(1).mean(1) / math.log(2.0)
         return torch.where(t == 0, nll, kl)
 
@@ -223,11 +248,7 @@ class GaussianDiffusion:
         for i in reversed(range(len(kept))):
             t = torch.full((x.shape[0],), kept[i], device=x.device, dtype=torch.long)
             out = model(x, t, y).float()
-            eps = out[:, :C]
-            pred_x0 = table["sqrt_recip_alphas_cumprod"][i] * x - table["sqrt_recipm1_alphas_cumprod"][i] * eps
-            if clip_denoised:
-                pred_x0 = pred_x0.clamp(-1, 1)
-            mean = table["posterior_mean_coef1"][i] * pred_x0 + table["posterior_mean_coef2"][i] * x
+            mean, _ = self._p_mean(out[:, :C], x, lambda name, i=i: table[name][i], clip_denoised)
             if generator is None:
                 step_noise = torch.randn_like(x)
             else:
