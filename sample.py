@@ -15,7 +15,8 @@ or set the rest (`--latent.tokenizer`, ...); its fixed sin-cos positions set `mo
     python sample.py --checkpoint DiT-XL-2-256x256.pt --flavor DiT-XL/2 [--model.KEY V ...] --out grid.png
 
 (its outputs are the reference's SD-VAE latents: a grid needs a `--latent.*` decoder). Weights load into a
-plain single-process model: DCP reads every shard itself, so no process group is needed. Latent models are
+plain single-process model (torchtitan/models/dit/weights.py reads every format): DCP reads every shard itself,
+so no process group is needed. Latent models are
 decoded through the run's `[latent]` tokenizer (its decoder alone), un-normalized with the statistics stored
 beside the run's prepared data; a tokenizer other than the one those latents were encoded with is refused
 before sampling (`--allow-tokenizer-mismatch` decodes anyway).
@@ -27,7 +28,7 @@ With `--npz`, N samples are written as `arr_0` (N, H, W, 3) uint8 (grey images r
 their labels as `arr_1`, the format of ADM's evaluation suite. Under torchrun each rank generates every
 world_size-th batch and rank 0 assembles them in order. Batch b's noise comes from a generator seeded by
 (seed, b), so the samples do not depend on the number of ranks. Labels cycle through the classes
-(`--classes`, or all of them: an exactly balanced set).
+(`--classes`, or all of them: an exactly balanced set; `torchtitan.diffusion.labels_for`, as the FID while training).
 """
 
 import argparse
@@ -35,118 +36,17 @@ import math
 import os
 import sys
 import time
-import tomllib
-import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from torchtitan.config_manager import JobConfig, parse_args
-from torchtitan.diffusion import batch_noise, build_diffusion, sample_images
+from torchtitan.config_manager import JobConfig
+from torchtitan.diffusion import batch_noise, build_diffusion, labels_for, sample_images
+from torchtitan.models.dit.weights import load_model, resolve_checkpoint
 from torchtitan.tools.images import save_image_grid, to_uint8_nhwc
 from torchtitan.tools.logging import init_logger, logger
-from torchtitan.train_spec import build_model_args, get_train_spec
-
-
-def find_config(start: Path) -> Path:
-    """The run's config.toml: in `start` or up to three folders above it (a step folder's run)."""
-    for folder in [start, *list(start.parents)[:3]]:
-        if (folder / "config.toml").is_file():
-            return folder / "config.toml"
-    raise FileNotFoundError(f"--checkpoint: no config.toml in {start} or the folders above it; pass --config")
-
-
-def check_is_dit_run(config_file: Path) -> None:
-    """Raises ValueError unless the run's model is a DiT: images come from DiTs (read before the config is checked,
-    whose complaints about another model's keys would point elsewhere)."""
-    with open(config_file, "rb") as f:
-        name = tomllib.load(f).get("model", {}).get("name", "dit")
-    if name != "dit":
-        raise ValueError(f"{config_file} is a {name!r} run (model.name): sample.py samples images from DiT runs "
-                         "(model.name = 'dit')")  # fmt: skip
-
-
-def dit_pt_config(flavor: str, config: str, overrides: list[str]) -> JobConfig:
-    """The config of a facebookresearch/DiT `.pt` file: a DiT of `flavor` with its fixed sin-cos positions, then
-    the `--config` TOML and the `--section.key value` overrides."""
-    if not flavor and not any(arg.partition("=")[0] == "--model.flavor" for arg in overrides):
-        raise ValueError("--flavor: a .pt checkpoint has no run config; name its shapes' flavor, e.g. DiT-XL/2")
-    argv = ["--job.config_file", config] if config else []
-    argv += ["--model.name", "dit", "--model.pos_embed", "sincos"] + (["--model.flavor", flavor] if flavor else [])
-    return parse_args(argv + overrides)
-
-
-def resolve_checkpoint(path: Path, config: str = "", flavor: str = "",
-                       overrides: list[str] | None = None) -> tuple[JobConfig, Path]:  # fmt: skip
-    """(the run's config, the weights: a .safetensors file, a DCP step folder or a facebookresearch/DiT .pt)."""
-    if not path.exists():
-        raise FileNotFoundError(f"--checkpoint: {path} does not exist")
-    if path.suffix == ".pt":
-        return dit_pt_config(flavor, config, overrides or []), path
-    if flavor or overrides:
-        raise ValueError(f"--flavor and --section.key overrides are for .pt checkpoints: {path} is a run's, whose "
-                         "config.toml gives the model")  # fmt: skip
-    config_file = Path(config) if config else find_config(path if path.is_dir() else path.parent)
-    check_is_dit_run(config_file)
-    cfg = parse_args(["--job.config_file", str(config_file)])
-    if path.is_file() or (path / ".metadata").is_file():
-        return cfg, path
-    if (path / "ema.safetensors").is_file():
-        return cfg, path / "ema.safetensors"
-    from torchtitan.components.checkpoint import complete_checkpoints
-
-    found = complete_checkpoints(path / cfg.checkpoint.folder)
-    if not found:
-        raise FileNotFoundError(f"--checkpoint: {path} has neither ema.safetensors nor a complete checkpoint "
-                                f"in {path / cfg.checkpoint.folder}")  # fmt: skip
-    return cfg, found[0][1]
-
-
-def load_dcp_weights(model: torch.nn.Module, step_dir: Path) -> str:
-    """Loads the 'ema' entries of a DCP checkpoint (else 'model') into a plain model; returns which. The checkpoint
-    is read through an allow-list (torchtitan/components/checkpoint_reader.py): a crafted one is refused by name."""
-    from torchtitan.components.checkpoint_reader import load_checkpoint, read_checkpoint_metadata
-
-    keys = read_checkpoint_metadata(step_dir).state_dict_metadata
-    prefix = "ema" if any(k.startswith("ema.") and k != "ema.num_updates" for k in keys) else "model"
-    params = {name: p.detach() for name, p in model.named_parameters()}  # DCP fills these in place
-    if prefix == "model":
-        params = dict(model.state_dict())
-    missing = [name for name in params if f"{prefix}.{name}" not in keys]
-    if missing:
-        raise ValueError(f"checkpoint {step_dir} has no '{prefix}' entries for {missing[:5]}: not this model's")
-    state = {prefix: params}
-    with warnings.catch_warnings():
-        # Without a process group DCP reads every shard in this one process, as intended here.
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        load_checkpoint(state, step_dir)
-    return prefix
-
-
-def load_model(cfg: JobConfig, weights: Path, device: torch.device):
-    """A plain model (eval mode) with the weights of `weights`; also returns its args."""
-    spec = get_train_spec(cfg.model.name)
-    model_args = build_model_args(spec, cfg)
-    with torch.device("meta"):
-        model = spec.model_cls(model_args)
-    model.to_empty(device=device)
-    model.init_weights()  # also computes the non-persistent buffers (positions) the weights file lacks
-    if weights.suffix == ".pt":
-        from torchtitan.models.dit.state_dict_adapter import read_dit_pt
-
-        model.load_state_dict(read_dit_pt(weights, model_args), strict=True)
-        which = f"facebookresearch/DiT weights of {weights}"
-    elif weights.is_file():
-        from safetensors.torch import load_file
-
-        model.load_state_dict(load_file(str(weights), device=str(device)), strict=True)
-        which = f"{weights}"
-    else:
-        which = f"'{load_dcp_weights(model, weights)}' weights of {weights}"
-    logger.info(f"loaded {which}")
-    return model.eval(), model_args
 
 
 class Sampler:
@@ -189,19 +89,6 @@ class Sampler:
 
             x = decode_for_training(self.cfg, x)
         return x.float().clamp(-1, 1)
-
-
-def labels_for(num: int, classes: list[int], num_classes: int) -> torch.Tensor | None:
-    """Labels of samples 0..num-1: cycling through `classes` (or all classes); None if unconditional."""
-    if num_classes == 0:
-        if classes:
-            raise ValueError(f"--classes {classes}: the model is unconditional (model.num_classes = 0)")
-        return None
-    classes = classes or list(range(num_classes))
-    bad = [c for c in classes if not 0 <= c < num_classes]
-    if bad:
-        raise ValueError(f"--classes {bad}: the model has classes 0..{num_classes - 1}")
-    return torch.tensor(classes)[torch.arange(num) % len(classes)]
 
 
 def write_grid(sampler: Sampler, args, classes: list[int]) -> Path:

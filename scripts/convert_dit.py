@@ -8,7 +8,7 @@ SRC is one of:
 - a diffusers `DiTTransformer2DModel` folder, or a DiTPipeline folder holding one in transformer/
   (torchtitan/models/dit/diffusers_adapter.py);
 - one of our runs: its folder (ema.safetensors, else the EMA of its newest checkpoint), a DCP step folder, or a
-  `.safetensors` export beside its config.toml (read as sample.py reads them).
+  `.safetensors` export beside its config.toml (read as sample.py reads them: torchtitan/models/dit/weights.py).
 DST, with `--to safetensors` (the default): one file in our parameter names, which loads with
 `load_state_dict(strict=True)` into `DiT(DiTArgs(...))` of the flavor; its metadata holds the DiTArgs as JSON
 ("model_args"), as the trainer's ema.safetensors export does. With `--to diffusers`: a DiTPipeline folder
@@ -53,7 +53,7 @@ def read_source(src: Path, flavor: str, overrides: list[str]) -> tuple[dict, obj
 
         state, args = read_diffusers_folder(src)
         return state, args, None
-    from sample import load_model, resolve_checkpoint
+    from torchtitan.models.dit.weights import load_model, resolve_checkpoint
 
     cfg, weights = resolve_checkpoint(src, "", flavor, overrides)
     model, args = load_model(cfg, weights, torch.device("cpu"))

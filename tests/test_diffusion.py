@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from torchtitan.config_manager import ConfigError, parse_args
-from torchtitan.diffusion import GaussianDiffusion, RectifiedFlow, drop_labels, guided, sample_images
+from torchtitan.diffusion import GaussianDiffusion, RectifiedFlow, drop_labels, guided, labels_for, sample_images
 from torchtitan.diffusion.ddpm import space_timesteps
 from torchtitan.diffusion.objective import LossByTimestep
 
@@ -161,6 +161,17 @@ def test_drop_labels_rate():
     torch.manual_seed(0)
     y = drop_labels(torch.zeros(10000, dtype=torch.long), 0.1, null_class=10)
     assert (y == 10).float().mean().item() == pytest.approx(0.1, abs=0.01)
+
+
+def test_labels_cycle_through_the_classes():
+    # The FID while training takes every class in turn, as `sample.py --npz` does without --classes, so that the
+    # logged FID is the one of that .npz; these labels are also those of earlier runs' FIDs.
+    balanced = labels_for(10, [], num_classes=4)
+    assert balanced.dtype == torch.int64 and balanced.tolist() == (torch.arange(10) % 4).tolist()
+    assert labels_for(5, [7, 2], num_classes=10).tolist() == [7, 2, 7, 2, 7]
+    assert labels_for(3, [], num_classes=0) is None
+    with pytest.raises(ValueError, match=r"--classes \[4, -1\]: the model has classes 0..3"):
+        labels_for(3, [1, 4, -1], num_classes=4)
 
 
 def test_x_prediction_loss_closed_form():

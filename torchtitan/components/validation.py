@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan.config_validation import ConfigError, at
-from torchtitan.diffusion import batch_noise, sample_images
+from torchtitan.diffusion import batch_noise, labels_for, sample_images
 from torchtitan.tools.fid import build_inception, frechet_distance, inception_features, load_statistics
 from torchtitan.tools.images import to_uint8_nhwc
 from torchtitan.tools.logging import logger
@@ -261,7 +261,7 @@ class FIDValidator:
         """This rank's share of the samples through the sampler, the decoder (latent models) and the Inception
         network, into `sums` (whose layout every rank shares, failed or not)."""
         v, s, a = self.config.validation, self.config.sampling, self.args
-        labels = torch.arange(v.fid_num_samples) % a.num_classes if a.num_classes > 0 else None  # class-balanced
+        labels = labels_for(v.fid_num_samples, [], a.num_classes)  # class-balanced, as sample.py's
         self.network.to(self.device)
         for batch in rank_batches(v.fid_num_samples, v.fid_batch_size, self.dp_rank, self.dp_degree):
             index, first, size = batch if batch is not None else (0, 0, 1)  # padding: one sample, thrown away

@@ -8,7 +8,16 @@ import torch
 from torchtitan.diffusion.ddpm import GaussianDiffusion, ModelFn
 from torchtitan.diffusion.rectified_flow import RectifiedFlow
 
-__all__ = ["GaussianDiffusion", "RectifiedFlow", "build_diffusion", "drop_labels", "guided", "sample_images"]
+__all__ = [
+    "GaussianDiffusion",
+    "RectifiedFlow",
+    "batch_noise",
+    "build_diffusion",
+    "drop_labels",
+    "guided",
+    "labels_for",
+    "sample_images",
+]
 
 
 def build_diffusion(diffusion_config, learn_sigma: bool) -> GaussianDiffusion | RectifiedFlow:
@@ -64,6 +73,20 @@ def batch_noise(
     training)."""
     generator = torch.Generator().manual_seed(seed * SEED_STRIDE + index)
     return torch.randn(size, channels, image_size, image_size, generator=generator), generator  # (B, C, H, W)
+
+
+def labels_for(num: int, classes: list[int], num_classes: int) -> torch.Tensor | None:
+    """Labels of samples 0..num-1 of a sampling run: cycling through `classes` (sample.py's `--classes`; empty: all
+    classes, an exactly balanced set as the FID while training takes); None if unconditional."""
+    if num_classes == 0:
+        if classes:
+            raise ValueError(f"--classes {classes}: the model is unconditional (model.num_classes = 0)")
+        return None
+    classes = classes or list(range(num_classes))
+    bad = [c for c in classes if not 0 <= c < num_classes]
+    if bad:
+        raise ValueError(f"--classes {bad}: the model has classes 0..{num_classes - 1}")
+    return torch.tensor(classes)[torch.arange(num) % len(classes)]
 
 
 def sample_images(
