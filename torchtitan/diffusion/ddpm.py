@@ -182,7 +182,7 @@ class GaussianDiffusion:
 
         KL(q(x_{t-1} | x_t, x0) || p(x_{t-1} | x_t)) for t > 0, the discretized decoder NLL at t = 0.
         """
-        coef = functools.partial(self._gather, t=t, ndim=x0.ndim)  # (B, 1, ..., 1) per table
+        coef = functools.cache(functools.partial(self._gather, t=t, ndim=x0.ndim))  # (B, 1, ..., 1), each once
         mean, pred_x0 = self._p_mean(eps, x_t, coef)
         # The model outputs [-1, 1]; its log-variance is that fraction of the way from the posterior's to
         # log(beta) (iDDPM), so its gap above the posterior's is formed directly, without cancellation.
