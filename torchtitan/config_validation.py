@@ -268,8 +268,8 @@ def _check_choices(cfg, errors: list[str]) -> None:
     unknown = [b for b in cfg.model.sdpa_backends if b not in ("cudnn", "flash", "efficient", "math")]
     if unknown or not cfg.model.sdpa_backends:
         errors.append(f"{at(cfg, 'model.sdpa_backends')}: use 'cudnn', 'flash', 'efficient', 'math'")
-    if any(c != "model" for c in cfg.compile.components):
-        errors.append(f"{at(cfg, 'compile.components')}: only 'model' is compiled")
+    if any(c not in ("model", "loss") for c in cfg.compile.components):
+        errors.append(f"{at(cfg, 'compile.components')}: list 'model' (the blocks or the whole model) and 'loss'")
     option = cfg.activation_checkpoint.selective_ac_option
     if option != "op" and not (option.isdigit() and int(option) > 0):
         errors.append(f"{at(cfg, 'activation_checkpoint.selective_ac_option')}: must be 'op' or a positive integer")

@@ -38,6 +38,10 @@ class Objective(Protocol):
         """Per-sample losses (B,) of one micro-batch, or (B, K) with augmult K."""
         ...
 
+    def compile_loss(self) -> None:
+        """torch.compile the loss formed from the model's output (`compile.components` lists "loss")."""
+        ...
+
 
 @dataclass
 class TrainSpec:

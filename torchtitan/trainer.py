@@ -84,6 +84,8 @@ class Trainer:
         layout = BatchLayout(self.dp_rank, self.dp_degree, self.grad_accum_steps, self.augmult, cfg.debug.seed,
                              self.device)  # fmt: skip
         self.objective = self.train_spec.build_objective_fn(cfg, self.model_args, layout)
+        if cfg.compile.enable and "loss" in cfg.compile.components:
+            self.objective.compile_loss()
         self.loss_bins = getattr(self.objective, "loss_by_timestep", None)  # diffusion: loss/t_bin_k, as minRF
         poisson_steps = cfg.training.steps if cfg.dp.enable and cfg.dp.sampling == "poisson" else 0
         self.dataloader = DevicePrefetcher(self.build_dataloader(poisson_steps, "train"), self.device)

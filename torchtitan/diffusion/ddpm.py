@@ -140,14 +140,25 @@ class GaussianDiffusion:
             self._gather("sqrt_alphas_cumprod", t, nd) * x0
             + self._gather("sqrt_one_minus_alphas_cumprod", t, nd) * noise
         )
-        out = model(x_t, t, y).float()
+        return self.output_losses(model(x_t, t, y), x0, noise, x_t, t), t.float() / self.num_timesteps
+
+    def output_losses(self, out: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor, x_t: torch.Tensor, t):
+        """Per-sample loss (B,) from the model's output (B, C or 2C, H, W), given x0, noise and x_t in float32 and
+        the timesteps (B,): what `compile.components = ["loss"]` compiles (`compile_loss`)."""
+        out = out.float()
         C = x0.shape[1]
         eps_pred = out[:, :C]
         loss = (noise - eps_pred).pow(2).flatten(1).mean(1)  # (B,)
         if self.learn_sigma:
             # Variational bound on the variance only: the mean's gradient flows through the MSE alone.
             loss = loss + self._vb_term(eps_pred.detach(), out[:, C:], x0, x_t, t)
-        return loss, t.float() / self.num_timesteps
+        return loss
+
+    def compile_loss(self) -> None:
+        """torch.compile `output_losses`: the variational bound's ~40 elementwise ops, forward and backward, become
+        a few fused kernels instead of one eager launch each (host time at small batches). The schedule's tables
+        on the device are read, not built, inside the graph: `training_losses` gathers x_t's coefficients first."""
+        self.output_losses = torch.compile(self.output_losses)
 
     def _p_mean(
         self, eps: torch.Tensor, x_t: torch.Tensor, coef: Callable[[str], torch.Tensor], clip_denoised: bool = False

@@ -69,6 +69,9 @@ class DiffusionObjective:
         self.loss_by_timestep = LossByTimestep(layout.device)  # the trainer adds each micro-batch's `take_draws()`
         self.last_draws: tuple[torch.Tensor, torch.Tensor] | None = None  # t in [0, 1], losses (B K,), detached
 
+    def compile_loss(self) -> None:
+        self.diffusion.compile_loss()
+
     def take_draws(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The last micro-batch's times in [0, 1] and losses, detached, let go here: nothing the loss binning needs
         stays alive through the backward (DDPM's t / T is a tensor of its own)."""

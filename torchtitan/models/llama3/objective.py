@@ -20,8 +20,15 @@ class LanguageModelObjective:
 
     def losses(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, step: int, micro: int) -> torch.Tensor:
         """x: (B, T) token ids; y: (B, T) next tokens, or (B,) labels. Returns (B,) float32 losses."""
-        logits = model(x)  # (B, T, V), or (B, num_labels)
+        return self.output_losses(model(x), y)
+
+    def output_losses(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """(B,) float32 losses from the logits (B, T, V) or (B, num_labels)."""
         if self.classification:
             return F.cross_entropy(logits.float(), y, reduction="none")
         per_token = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="none")  # (B T,)
         return per_token.view(y.shape).mean(1)
+
+    def compile_loss(self) -> None:
+        """torch.compile `output_losses`: the float32 cast of the logits fuses into the cross-entropy."""
+        self.output_losses = torch.compile(self.output_losses)
