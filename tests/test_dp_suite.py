@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 
 import scripts.lib.runner
-from scripts.dp import run_dp_suite, run_fsdp_suite, visualize
+from scripts.dp import common, run_dp_suite, run_fsdp_suite, visualize
 from tests.conftest import ROOT, read_metrics
 from torchtitan.config_manager import parse_args
 from torchtitan.models.dit import DiT, dit_configs
@@ -132,6 +132,23 @@ def test_failed_and_oom_runs_are_recorded(failed_runs):
     assert oom["status"] == "OOM" and oom["returncode"] == 1
     for result in (failed, oom):
         assert "step_time_s" not in result and "peak_memory_gib" not in result and "time_ratio" not in result
+
+
+def test_a_suite_cut_short_keeps_the_results_of_its_finished_runs(tmp_path, monkeypatch):
+    # A suite stopped mid-way (the GPU machine's time limit) keeps each finished run's JSON: written as it ends.
+    oom = [sys.executable, "-c", "import sys; print('torch.OutOfMemoryError: CUDA out of memory'); sys.exit(1)"]
+    monkeypatch.setattr(scripts.lib.runner, "train_command", lambda *args: oom)
+    finished = []
+
+    def execute(run, *args):
+        if finished:
+            raise KeyboardInterrupt  # the second run is killed
+        finished.append(scripts.lib.runner.execute(run, *args))
+
+    monkeypatch.setattr(common, "execute", execute)
+    with pytest.raises(KeyboardInterrupt):
+        run_dp_suite.main(["--modes", "vanilla", "--batch-sizes", "3 4", "--output-dir", str(tmp_path), *RUN, *TINY])
+    assert load(tmp_path, "vanilla_bs3")["status"] == "OOM" and not (tmp_path / "vanilla_bs4.json").exists()
 
 
 def test_the_largest_batch_search_starts_from_the_measured_line(tmp_path, monkeypatch):

@@ -323,7 +323,8 @@ class Compile:
     components: list[str] = field(default_factory=lambda: ["model"])
     """What to compile: 'model' (its blocks or the whole model, by `scope`) and 'loss' (the objective's loss from
     the model's output: DDPM's variational bound is about 40 small elementwise ops forward and as many backward,
-    one eager launch each)."""
+    one eager launch each; on DiT-XL/2 it moved the step by -0.2% to +1.3% at 32, 64 and 224 images on one H200,
+    docs/benchmark_log.md 2026-11-27 (e), hence not in the default)."""
     mode: str = "default"
     """torch.compile mode: 'default' or 'max-autotune-no-cudagraphs' (Triton GEMMs with fused epilogues;
     minutes of autotuning at start)."""

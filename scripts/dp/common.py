@@ -146,8 +146,8 @@ def add_ratios(results: list[dict]) -> None:
 
 
 def run_suite(points: list[dict], extra: list[str], opts, what: str) -> list[dict]:
-    """Runs (or, with opts.dry_run, prints) the run of every point into opts.output_dir; writes and returns the
-    result of each.
+    """Runs (or, with opts.dry_run, prints) the run of every point into opts.output_dir; writes the result of each
+    as it ends (the ratios rewritten as their baselines come) and returns them.
 
     Args:
         points: the suite's knobs (`suite_knobs`), one per run.
@@ -167,9 +167,10 @@ def run_suite(points: list[dict], extra: list[str], opts, what: str) -> list[dic
             continue
         execute(run, run_dir, opts.timeout or None, opts.force)
         results.append(summarize(run, run_dir, opts.skip_steps))
-    add_ratios(results)
-    for result in results:
-        (out / f"{result['name']}.json").write_text(json.dumps(result, indent=1))
+        # Written as each run ends, then again with the ratios: a suite cut short keeps what it measured.
+        add_ratios(results)
+        for result in results:
+            (out / f"{result['name']}.json").write_text(json.dumps(result, indent=1))
     return results
 
 
