@@ -355,14 +355,6 @@ def test_layout_checks_name_the_keys(tmp_path):
                                           r"on one device only"):  # fmt: skip
         validate_layout(parse_args([*ddp, "--dp.enable", "true"]), world_size=4, device_type="cpu")
     assert "training.local_batch_size = 'auto' in the command line: needs a CUDA device" in message
-    autograd = ["--parallelism.enable_compiled_autograd", "true"]
-    validate_layout(parse_args([*ddp, *autograd]), world_size=4, device_type="cpu")  # DDP's reducer in the graph
-    hsdp = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]
-    for extra, needs in ((["--compile.enable", "false"], "compile.enable = true"),
-                         (["--dp.enable", "true", "--compile.scope", "block"], "training without DP-SGD"),
-                         ([*hsdp, "--compile.scope", "block"], "one device or DDP")):  # fmt: skip
-        with pytest.raises(ConfigError, match=rf"enable_compiled_autograd = True in the command line: needs {needs}"):
-            validate_layout(parse_args([*ddp, *autograd, *extra]), world_size=4, device_type="cpu")
     cfg = parse_args(["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree",
                       "3"])  # fmt: skip
     with pytest.raises(ConfigError, match=r"data_parallel_replicate_degree with .*shard_degree in the command line: "

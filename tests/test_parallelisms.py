@@ -74,13 +74,8 @@ VARIANTS = {
 }
 # The whole model compiled: one device or DDP (config_validation refuses it where the model is sharded). Buckets of
 # 1 MiB split the debug model's 4.9 MiB of gradients, so DDPOptimizer splits its graph (at 100 MiB it would not).
-# With compiled autograd, DDP's Python reducer runs inside the one compiled backward instead (its buckets' all-reduces
-# traced there, the model's graph not split).
 WHOLE_MODEL = {"compiled_model": ["--compile.enable", "true", "--compile.scope", "model",
-                                  "--parallelism.ddp_bucket_cap_mb", "1"],
-               "compiled_autograd": ["--compile.enable", "true", "--compile.scope", "model",
-                                     "--parallelism.ddp_bucket_cap_mb", "1",
-                                     "--parallelism.enable_compiled_autograd", "true"]}  # fmt: skip
+                                  "--parallelism.ddp_bucket_cap_mb", "1"]}  # fmt: skip
 LAYOUTS = {  # name: (processes, arguments)
     "ddp": (2, ["--parallelism.data_parallel_replicate_degree", "2", "--training.local_batch_size", "4"]),
     "fsdp": (2, ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "4"]),
@@ -141,7 +136,7 @@ def gradient_cases(layout: str) -> dict[str, list[str]]:
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_gradient_matches_one_process(one_process_gradients, layout_runs, layout):
     """Every parameter's full gradient after one forward+backward, in each AC and compile variant (and under DDP
-    with the whole model compiled, its graph split at DDP's buckets or its backward under compiled autograd), equals one
+    with the whole model compiled, its graph split at DDP's buckets), equals one
     process's within 1e-5 relative (fp32; only the reduction order differs), with adaLN-Zero's zeros re-drawn so
     no gradient hides behind a zero; the weights start identical (the init draws whole tensors in every layout); and
     the norm the trainer clips and logs by is the norm of exactly these gradients."""
@@ -181,8 +176,8 @@ def test_nccl_gradients_match_one_gpu(tmp_path, monkeypatch):
     variants = {"eager": [], **{k: VARIANTS[k] for k in ("compiled", "compiled_full_ac")}}
     cases = {f"{layout}_{variant}": [*cuda, *layout_args, "--training.local_batch_size", str(8 // gpus), *args]
              for layout, layout_args in layouts.items() for variant, args in variants.items()}  # fmt: skip
-    for variant, args in WHOLE_MODEL.items():
-        cases[f"ddp_{variant}"] = [*cuda, *layouts["ddp"], "--training.local_batch_size", str(8 // gpus), *args]
+    cases["ddp_compiled_model"] = [*cuda, *layouts["ddp"], "--training.local_batch_size", str(8 // gpus),
+                                   *WHOLE_MODEL["compiled_model"]]  # fmt: skip
     worst = {}
     for name, got in layout_gradients(tmp_path / "multi", gpus, cases).items():
         errors = {p: ((got["grads"][p] - g).norm() / g.norm()).item() for p, g in one["grads"].items()}

@@ -385,15 +385,6 @@ def validate_layout(cfg, world_size: int, device_type: str) -> None:
     elif cfg.compile.enable and cfg.compile.scope == "model" and world_size > 1 and cfg.dp.enable:
         errors.append(f"{at(cfg, 'compile.scope')}: 'model' under DP-SGD runs on one device only (DP-SGD over DDP "
                       "compiles each block); use compile.scope = 'block'")  # fmt: skip
-    if p.enable_compiled_autograd:
-        needs = (
-            "compile.enable = true" if not cfg.compile.enable
-            else "one device or DDP (this run is sharded)" if sharded
-            else "training without DP-SGD (its engine runs its own backward)" if cfg.dp.enable
-            else ""
-        )  # fmt: skip
-        if needs:
-            errors.append(f"{at(cfg, 'parallelism.enable_compiled_autograd')}: needs {needs}")
     if cfg.training.local_batch_size == "auto" and device_type != "cuda":
         errors.append(f"{at(cfg, 'training.local_batch_size')}: needs a CUDA device to measure memory on; give a "
                       f"number on {device_type}")  # fmt: skip

@@ -271,11 +271,6 @@ class Parallelism:
     """DDP's gradient bucket size in MiB (TorchTitan's 100). Each bucket's all-reduce starts once its gradients
     exist; with the whole model compiled, dynamo also splits the graph at each bucket, so fewer, larger buckets
     mean fewer graphs for the host to launch and less of the all-reduce hidden behind the backward."""
-    enable_compiled_autograd: bool = False
-    """TorchTitan's option: the backward runs through compiled autograd, one graph that also holds DDP's bucket
-    all-reduces (dynamo's `optimize_ddp = "python_reducer"`), so they overlap the backward without splitting the
-    model's graph at each bucket. Needs `compile.enable`; on one device or under DDP, not under FSDP/HSDP nor with
-    DP-SGD (whose engine runs its own backward)."""
 
 
 @dataclass

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch._dynamo.utils import maybe_enable_compiled_autograd
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from torchtitan.components.checkpoint import CheckpointManager
@@ -270,8 +269,7 @@ class Trainer:
                 )
             else:
                 # Sum over this rank / global batch: the data-parallel mean (DDP/FSDP) then gives the global mean.
-                with maybe_enable_compiled_autograd(self.job_config.parallelism.enable_compiled_autograd):
-                    (losses.sum() * self.dp_degree / self.global_batch).backward()
+                (losses.sum() * self.dp_degree / self.global_batch).backward()
         losses = losses.detach().mean(1) if losses.dim() == 2 else losses.detach()
         self.stage("backward")
         return losses

@@ -176,15 +176,12 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, para
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=root_flag)
 
 
-def apply_ddp(model: nn.Module, mesh: DeviceMesh, compiled: bool, bucket_cap_mb: int = 100,
-              compiled_autograd: bool = False) -> None:  # fmt: skip
-    """Composable DDP (replicate) over the replicate mesh, its gradients all-reduced in buckets of `bucket_cap_mb`:
-    by DDP's reducer, whose buckets split a compiled model's graph (DDPOptimizer), or with `compiled_autograd` by
-    DDP's Python reducer, traced into the compiled backward (the trainer runs it under compiled autograd)."""
+def apply_ddp(model: nn.Module, mesh: DeviceMesh, compiled: bool, bucket_cap_mb: int = 100) -> None:
+    """Composable DDP (replicate) over the replicate mesh, its gradients all-reduced in buckets of `bucket_cap_mb`."""
     from torch.distributed._composable.replicate import replicate
 
     if compiled:
-        torch._dynamo.config.optimize_ddp = "python_reducer" if compiled_autograd else "ddp_optimizer"
+        torch._dynamo.config.optimize_ddp = "ddp_optimizer"
     replicate(model, device_mesh=mesh, bucket_cap_mb=bucket_cap_mb)
 
 
@@ -202,6 +199,5 @@ def apply_data_parallel(model: nn.Module, blocks: list[nn.Module], parallel_dims
         )
         logger.info(f"applied {parallel_dims.mode.upper()} to the model")
     elif parallel_dims.ddp_enabled:
-        apply_ddp(model, parallel_dims.mesh["dp_replicate"], compiled, job_config.parallelism.ddp_bucket_cap_mb,
-                  job_config.parallelism.enable_compiled_autograd)  # fmt: skip
+        apply_ddp(model, parallel_dims.mesh["dp_replicate"], compiled, job_config.parallelism.ddp_bucket_cap_mb)
         logger.info("applied DDP (replicate) to the model")
