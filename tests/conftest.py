@@ -1,8 +1,16 @@
 """Shared test helpers: tiny configs and a torchrun launcher for multi-process (gloo) tests."""
 
+import atexit
+import contextlib
 import json
 import os
+import select
+import shutil
+import signal
 import socket
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -57,14 +65,92 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class TrainServer:
+    """tests/train_server.py: forks one-process runs of a script from a process that has imported train.py's modules
+    (a run of the tiny config then starts in about 1 CPU-s instead of 7), in the environment it was started with."""
+
+    def __init__(self, env: dict):
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "train_server.py")], cwd=ROOT, env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)  # fmt: skip
+        self.folder = Path(tempfile.mkdtemp(prefix="train_server_"))
+        self.running: int | None = None  # the pid of the run under way
+
+    def _answer(self, timeout: float | None) -> int:
+        line = b""
+        while not line.endswith(b"\n"):
+            if not select.select([self.proc.stdout], [], [], timeout)[0]:
+                raise TimeoutError
+            byte = self.proc.stdout.read(1)
+            assert byte, f"tests/train_server.py ended ({self.proc.wait()})"
+            line += byte
+        return int(line)
+
+    def run(self, cmd: list[str], script: str, args: list[str], env: dict, timeout: float):
+        """As run_to_end(cmd, timeout, ROOT, env): at the timeout the run gets SIGTERM, then SIGKILL after 60 s."""
+        out, err = self.folder / "stdout", self.folder / "stderr"
+        request = {"script": script, "args": args, "env": env, "stdout": str(out), "stderr": str(err)}
+        self.proc.stdin.write((json.dumps(request) + "\n").encode())
+        pid = self.running = self._answer(None)
+        try:
+            status = self._answer(timeout)
+        except TimeoutError:
+            os.kill(pid, signal.SIGTERM)
+            try:
+                self._answer(60)
+            except TimeoutError:
+                os.kill(pid, signal.SIGKILL)
+                self._answer(None)
+            self.running = None
+            raise subprocess.TimeoutExpired(cmd, timeout, output=out.read_text(), stderr=err.read_text()) from None
+        self.running = None
+        return subprocess.CompletedProcess(cmd, status, out.read_text(), err.read_text())
+
+    def close(self) -> None:
+        """Ends the server and the run it waits on, if any."""
+        if self.running is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.running, signal.SIGKILL)
+        self.proc.kill()
+        self.proc.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+_train_servers: dict[str, TrainServer] = {}  # by environment
+
+
+@atexit.register
+def _close_train_servers() -> None:
+    for server in _train_servers.values():
+        server.close()
+
+
+def run_python(script: str, args: list[str], nproc: int = 1, timeout: float = 600, env: dict | None = None):
+    """`python SCRIPT ARGS` in ROOT (through torchrun --standalone when nproc > 1), a thread a process; returns the
+    CompletedProcess. One process without `env` forks from the TrainServer of this environment (with
+    TORCHDITAN_TEST_FORK=0: never)."""
+    base_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline"}
+    cmd = [*launcher(nproc), script, *args]  # torchrun --standalone: its store takes a port no other run holds
+    if nproc == 1 and env is None and os.environ.get("TORCHDITAN_TEST_FORK", "1") != "0":
+        # Variables read at import are the server's: a server per environment but for the name of the test
+        key = json.dumps({k: v for k, v in sorted(base_env.items()) if k != "PYTEST_CURRENT_TEST"})
+        if key not in _train_servers:
+            _train_servers[key] = TrainServer(base_env)
+        server = _train_servers[key]
+        try:
+            return server.run(cmd, script, args, base_env, timeout)
+        except BaseException as e:
+            if not isinstance(e, subprocess.TimeoutExpired):  # a protocol cut mid-way: no later run may read it
+                del _train_servers[key]
+                server.close()
+            raise
+    return run_to_end(cmd, timeout, ROOT, {**base_env, **(env or {})})  # at the timeout torchrun stops its workers
+
+
 def run_train(args: list[str], nproc: int = 1, timeout: int = 600, check: bool = True, env: dict | None = None):
     """Runs train.py (through torchrun --standalone when nproc > 1) and returns the CompletedProcess."""
-    base_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline"}
-    base_env.update(env or {})
-    cmd = [*launcher(nproc), "train.py", *args]  # torchrun --standalone: its store takes a port no other run holds
-    result = run_to_end(cmd, timeout, ROOT, base_env)  # at the timeout torchrun gets to stop its workers
+    result = run_python("train.py", args, nproc, timeout, env)
     if check and result.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stdout[-4000:]}\n"
+        raise AssertionError(f"{' '.join(result.args)} failed ({result.returncode}):\n{result.stdout[-4000:]}\n"
                              f"{result.stderr[-6000:]}")  # fmt: skip
     return result
 
