@@ -6,11 +6,16 @@ For each NAME, builds the Trainer (torchtitan/trainer.py) from train.py's argume
 initialization (adaLN-Zero starts every gate and the final layer at 0, which would hide most gradients), runs one
 step's forward and backward through `Trainer.forward_backward`, and rank 0 saves {parameter name: full gradient} and
 the trainer's own gradient norm to OUT_DIR/NAME.pt, with the weights as initialized.
+
+A case `train:NAME='...'` is a whole run of train.py's main() in OUT_DIR/NAME instead (it must end with status 0):
+the layout's training runs share its launch, since a launch costs each rank the trainer's imports. They go first,
+before a gradient case's `--debug.deterministic` (which stays set in the process) could reach them.
 """
 
 import shlex
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -56,6 +61,17 @@ def main() -> None:
     for case in sys.argv[2:]:
         name, _, overrides = case.partition("=")
         torch._dynamo.reset()  # each case compiles afresh
+        if name.startswith("train:"):
+            import train
+
+            name = name.removeprefix("train:")
+            # One process group for every case of the launch: main() destroys it at its end, and a default group
+            # created again met the last one's addresses in torchrun's store (gloo timed out connecting to an old
+            # port, 1 launch in 3).
+            with mock.patch.object(torch.distributed, "destroy_process_group"):
+                status = train.main([*shlex.split(overrides), "--job.dump_folder", str(out / name)])
+            assert status == 0, f"{name}: train.py's main() ended with status {status}"
+            continue
         result = first_step_gradients(shlex.split(overrides), out / name)
         if result["rank"] == 0:
             torch.save({key: result[key] for key in ("init", "grads", "grad_norm")}, out / f"{name}.pt")

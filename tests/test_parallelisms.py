@@ -1,13 +1,12 @@
 """One process, DDP, FSDP and HSDP (gloo, CPU) train the same losses from the same seed checkpoint."""
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import TINY, read_metrics, run_train
+from tests.conftest import ROOT, TINY, read_metrics, run_python, run_train
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 
 STEPS = 3
@@ -38,27 +37,26 @@ def assert_same_losses(got: list[dict], expected: list[dict]) -> None:
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), (a, b)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "name, nproc, extra",
-    [
-        # DDP over every rank as dit_xl2_latent256.toml sets it: replicate takes the rest of the world
-        ("ddp", 2, ["--parallelism.data_parallel_replicate_degree", "-1", "--parallelism.data_parallel_shard_degree",
+# name: (the layout whose launch runs it, its arguments). Each runs in its layout's launch of tests/layout_grads.py
+# (layout_runs below), before that layout's gradient cases.
+MATCH_RUNS = {
+    # DDP over every rank as dit_xl2_latent256.toml sets it: replicate takes the rest of the world
+    "ddp": ("ddp", ["--parallelism.data_parallel_replicate_degree", "-1", "--parallelism.data_parallel_shard_degree",
                     "1", "--training.local_batch_size", "8"]),
-        ("fsdp", 2, ["--training.local_batch_size", "8"]),
-        # 2 micro-batches per step; blocks stay gathered from forward to backward (FSDP's setting for large batches)
-        ("fsdp_accum_no_reshard", 2, ["--training.local_batch_size", "4", "--parallelism.fsdp_reshard_after_forward",
-                                      "never"]),
-        ("hsdp", 4, ["--parallelism.data_parallel_replicate_degree", "2", "--training.local_batch_size", "4"]),
-    ],
-)  # fmt: skip
-def test_parallelisms_match_one_process(seed_checkpoint, reference, tmp_path, name, nproc, extra):
+    "fsdp": ("fsdp", ["--training.local_batch_size", "8"]),
+    # 2 micro-batches per step; blocks stay gathered from forward to backward (FSDP's setting for large batches)
+    "fsdp_accum_no_reshard": ("fsdp", ["--training.local_batch_size", "4", "--parallelism.fsdp_reshard_after_forward",
+                                       "never"]),
+    "hsdp": ("hsdp", ["--parallelism.data_parallel_replicate_degree", "2", "--training.local_batch_size", "4"]),
+}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MATCH_RUNS))
+def test_parallelisms_match_one_process(reference, layout_runs, name):
     """Several steps (the optimizer's sharded state, accumulation, resharding) against one process. Activation
     checkpointing and compile in each layout: their first-step gradients, exactly, in the tests below."""
-    folder = tmp_path / name
-    run_train([*COMMON, *extra, "--job.dump_folder", str(folder), "--checkpoint.initial_load_path",
-               str(seed_checkpoint)], nproc=nproc)  # fmt: skip
-    assert_same_losses(read_metrics(folder), reference)
+    assert_same_losses(read_metrics(layout_runs(MATCH_RUNS[name][0])[name]), reference)
 
 
 # First-step gradients of every layout against one process (tests/layout_grads.py): global batch 8, fp32, gloo.
@@ -83,23 +81,24 @@ LAYOUTS = {  # name: (processes, arguments)
 }
 
 
-def layout_gradients(out: Path, nproc: int, cases: dict[str, list[str]]) -> dict[str, dict]:
+def layout_gradients(out: Path, nproc: int, cases: dict[str, list[str]], trainings: dict | None = None) -> dict:
+    """{name: first-step gradients} of each case and {name: run folder} of each training run (train.py's main(),
+    run first), from one launch of tests/layout_grads.py."""
     import shlex
 
-    from tests.conftest import ROOT
-    from torchtitan.tools.runs import launcher, run_to_end
-
-    cmd = [*launcher(nproc), str(ROOT / "tests" / "layout_grads.py"), str(out)]
-    cmd += [f"{name}={shlex.join(args)}" for name, args in cases.items()]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
-    result = run_to_end(cmd, 900, ROOT, env)
+    trainings = trainings or {}
+    args = [str(out), *(f"train:{name}={shlex.join(a)}" for name, a in trainings.items())]
+    args += [f"{name}={shlex.join(a)}" for name, a in cases.items()]
+    result = run_python(str(ROOT / "tests" / "layout_grads.py"), args, nproc, timeout=900)
     assert result.returncode == 0, result.stderr[-6000:]
-    return {name: torch.load(out / f"{name}.pt") for name in cases}
+    return {**{name: out / name for name in trainings}, **{name: torch.load(out / f"{name}.pt") for name in cases}}
 
 
 # A torchrun launch costs every rank the trainer's imports and the process group's start (about 10 CPU-s a process
 # on CI's 2 cores): one process's plain and DP-SGD gradients come from one launch, and each layout's from one launch
-# shared by test_every_gradient_matches_one_process and test_dp_gradient_matches_one_process.
+# shared by test_every_gradient_matches_one_process and test_dp_gradient_matches_one_process, which also trains that
+# layout's runs of test_parallelisms_match_one_process and test_fsdp_checkpoint_resumes_and_exports (7 launches,
+# 19 processes, fewer: 316 -> 250 s of this file alone, serially).
 @pytest.fixture(scope="module")
 def one_process_runs(tmp_path_factory):
     one_dp = [*DP_ARGS, "--training.local_batch_size", "8"]
@@ -108,14 +107,25 @@ def one_process_runs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def layout_runs(tmp_path_factory):
-    """layout -> {case: gradients} for the cases of both tests below, run on first use."""
+def layout_runs(seed_checkpoint, tmp_path_factory):
+    """layout -> {case: gradients} for the cases of both gradient tests below, and {name: run folder} of its
+    training runs (test_parallelisms_match_one_process; FSDP: the first two of
+    test_fsdp_checkpoint_resumes_and_exports), run on first use."""
     runs = {}
 
-    def run(layout: str) -> dict[str, dict]:
+    def run(layout: str) -> dict:
         if layout not in runs:
+            from_seed = ["--checkpoint.initial_load_path", str(seed_checkpoint)]
+            trainings = {n: [*COMMON, *args, *from_seed] for n, (at, args) in MATCH_RUNS.items() if at == layout}
+            if layout == "fsdp":  # the run that test_fsdp_checkpoint_resumes_and_exports resumes, and the whole one
+                fsdp = fsdp_checkpoint_args(seed_checkpoint)
+                trainings |= {
+                    "checkpoint_2": [*fsdp, "--training.steps", "2"],
+                    "checkpoint_4": [*fsdp, "--training.steps", "4"],
+                }
             cases = {**gradient_cases(layout), **dp_gradient_cases(layout)}
-            runs[layout] = layout_gradients(tmp_path_factory.mktemp(f"grads_{layout}"), LAYOUTS[layout][0], cases)
+            runs[layout] = layout_gradients(tmp_path_factory.mktemp(f"grads_{layout}"), LAYOUTS[layout][0], cases,
+                                            trainings)  # fmt: skip
         return runs[layout]
 
     return run
@@ -248,15 +258,17 @@ def test_compile_matches_eager(seed_checkpoint, reference, tmp_path, scope):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
 
 
+def fsdp_checkpoint_args(seed_checkpoint: Path) -> list[str]:
+    return [*COMMON, "--training.local_batch_size", "8", "--checkpoint.initial_load_path", str(seed_checkpoint),
+            "--training.ema_decay", "0.5"]  # fmt: skip
+
+
 @pytest.mark.slow
-def test_fsdp_checkpoint_resumes_and_exports(seed_checkpoint, tmp_path):
-    folder = tmp_path / "fsdp"
-    args = [*COMMON, "--training.local_batch_size", "8", "--job.dump_folder", str(folder),
-            "--checkpoint.initial_load_path", str(seed_checkpoint), "--training.ema_decay", "0.5"]  # fmt: skip
-    run_train([*args, "--training.steps", "2"], nproc=2)
-    run_train([*args, "--training.steps", "4"], nproc=2)  # resumes at step 2 from the FSDP checkpoint
-    full = tmp_path / "full"
-    run_train([*args, "--training.steps", "4", "--job.dump_folder", str(full)], nproc=2)
+def test_fsdp_checkpoint_resumes_and_exports(seed_checkpoint, layout_runs):
+    # FSDP's launch in layout_runs trained 2 steps in `folder` and 4 in `full`; the resume is a launch of its own.
+    folder, full = layout_runs("fsdp")["checkpoint_2"], layout_runs("fsdp")["checkpoint_4"]
+    args = [*fsdp_checkpoint_args(seed_checkpoint), "--job.dump_folder", str(folder), "--training.steps", "4"]
+    run_train(args, nproc=2)  # resumes at step 2 from the FSDP checkpoint
     assert [m["loss"] for m in read_metrics(folder)] == [m["loss"] for m in read_metrics(full)]
 
     # The exported EMA (gathered from FSDP shards) loads into a plain model; outputs match the DCP EMA.
