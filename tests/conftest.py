@@ -1,6 +1,5 @@
 """Shared test helpers: tiny configs and a torchrun launcher for multi-process (gloo) tests."""
 
-import atexit
 import contextlib
 import json
 import os
@@ -118,10 +117,12 @@ class TrainServer:
 _train_servers: dict[str, TrainServer] = {}  # by environment
 
 
-@atexit.register
-def _close_train_servers() -> None:
-    for server in _train_servers.values():
-        server.close()
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """Ends this pytest process's train servers (in each xdist worker too, where atexit handlers do not run). The
+    tests import this file as `tests.conftest`, a module apart from pytest's plugin copy: the servers are there."""
+    for module in {sys.modules[__name__], sys.modules.get("tests.conftest")} - {None}:
+        while module._train_servers:
+            module._train_servers.popitem()[1].close()
 
 
 def run_python(script: str, args: list[str], nproc: int = 1, timeout: float = 600, env: dict | None = None):
