@@ -145,11 +145,11 @@ def gradient_cases(layout: str) -> dict[str, list[str]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_gradient_matches_one_process(one_process_gradients, layout_runs, layout):
-    """Every parameter's full gradient after one forward+backward, in each AC and compile variant (and under DDP
-    with the whole model compiled, its graph split at DDP's buckets), equals one
-    process's within 1e-5 relative (fp32; only the reduction order differs), with adaLN-Zero's zeros re-drawn so
-    no gradient hides behind a zero; the weights start identical (the init draws whole tensors in every layout); and
-    the norm the trainer clips and logs by is the norm of exactly these gradients."""
+    """Every parameter's full gradient after one forward+backward, in each AC and compile variant (and under DDP with
+    the whole model compiled, its graph split at DDP's buckets), equals one process's within 1e-5 relative (fp32;
+    only the reduction order differs), with adaLN-Zero's zeros re-drawn so no gradient hides behind a zero; the
+    weights start identical (the init draws whole tensors in every layout); and the norm the trainer clips and logs
+    by is the norm of exactly these gradients."""
     reference = one_process_gradients
     assert all(g.norm() > 0 for g in reference["grads"].values()), "a zero reference gradient hides nothing"
     runs = layout_runs(layout)
