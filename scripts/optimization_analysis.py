@@ -54,7 +54,9 @@ def load_run(folder: Path, skip: int = 1) -> dict | None:
     run = {"name": folder.name, **(parse_name(folder.name) or {}), **status.get("knobs", {})}
     if config_file.is_file():  # what train.py actually ran (e.g. CPU runs are forced to fp32)
         run.update(knobs_from_config(tomllib.loads(config_file.read_text())))
-    run["status"] = status.get("status", "ok" if has_metrics else "unknown")
+    # Without the grid's status.json: a train.py run with logged steps, or one cut off before its first (unfinished).
+    logged = has_metrics and (folder / "metrics.jsonl").stat().st_size > 0
+    run["status"] = status.get("status", "ok" if logged else "unfinished" if has_metrics else "unknown")
     if "replicate" in run and "shard" in run:
         run["parallelism"] = parallelism(run["replicate"], run["shard"])
     if run["status"] == "ok":

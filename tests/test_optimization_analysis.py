@@ -141,9 +141,12 @@ def test_analysis_of_a_fabricated_grid(tmp_path):
     fabricate(root, point(32, "none", False, "bf16"), status="OOM")
     fabricate(root, point(32, "none", True, "bf16"), images_per_second=6000.0, memory=160.0)
     (root / "autotune").mkdir()  # not a run: ignored
+    cut_off = root / run_name(point(64, "none", True, "bf16"))  # cut off before a step: no status.json, empty metrics
+    cut_off.mkdir()
+    (cut_off / "metrics.jsonl").touch()
 
     result = analyze(root, root / "analysis")
-    assert len(result["runs"]) == 11
+    assert len(result["runs"]) == 12
     effects = {(e["knob"], e["change"]): e for e in result["effects"]}
     compile_effect = effects[("compile", "off -> on")]
     assert compile_effect["pairs"] == 4 and compile_effect["fits_only_with"] == 1
@@ -159,3 +162,4 @@ def test_analysis_of_a_fabricated_grid(tmp_path):
     assert "compile (off -> on), 0.5B: images/s +70%" in summary
     assert "| dit_0.5B_bs32ps2_actnone_c0bf16p1s1 | 0.5B | 32 | bf16 | single | none | off | OOM |" in summary
     assert "0.5B_compile.png" in summary
+    assert "| dit_0.5B_bs64ps2_actnone_c1bf16p1s1 | 0.5B | 64 | bf16 | single | none | on | unfinished |" in summary
