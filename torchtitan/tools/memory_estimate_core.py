@@ -263,8 +263,9 @@ def estimate_model_memory(model: ModelMemory, batch: int, precision: str = "bf16
     est.parts = _state_parts(model, dp_shard, rank, ema, optimizer, est.lines)
     fsdp = dp_shard > 1 or precision == "bf16_fsdp"
     if dp_replicate > 1 and dp_shard == 1:
-        est.parts["ddp_buckets"] = est.parts["gradients"]  # the reducer's bucket copy of the gradients
-        est.lines.append("DDP: gradient buckets as large as the gradients (gradient_as_bucket_view off)")
+        est.parts["ddp_buckets"] = est.parts["gradients"]  # the reducer's buckets, which hold the gradients
+        est.lines.append("DDP: the gradients live in the reducer's buckets (gradient_as_bucket_view), held from the "
+                         "first backward on")  # fmt: skip
     est.parts.update(_activation_parts(model, batch, precision, (ac_mode, ac_option), compiled, est.lines))
     transient = 0
     if fsdp:
@@ -286,10 +287,11 @@ def estimate_model_memory(model: ModelMemory, batch: int, precision: str = "bf16
     p = est.parts
     static = p["parameters"] + p["optimizer_states"] + p.get("ema", 0) + p["buffers"] + p.get("ddp_buckets", 0)
     held = p["activations"] + p.get("autocast_weight_copies", 0) + p.get("fsdp_gathered", 0)
-    est.peak = static + max(held + p["backward_working"], p["gradients"] + transient)
+    loose_gradients = 0 if "ddp_buckets" in p else p["gradients"]
+    est.peak = static + max(held + p["backward_working"], loose_gradients + transient)
     est.lines.append("peak = parameters + optimizer + EMA + buffers (+ DDP buckets) + max(activations + weight "
-                     "copies + FSDP gathered + backward working set, gradients): gradients appear as "
-                     "activations are freed")  # fmt: skip
+                     "copies + FSDP gathered + backward working set, gradients outside DDP's buckets): gradients "
+                     "appear as activations are freed")  # fmt: skip
     return est
 
 
