@@ -50,6 +50,23 @@ def interpreter_launch(monkeypatch):
 torch.set_num_threads(2)
 
 
+# The longest files first (seconds of each in the suite on CI's 2 cores, 2026-11-27): `--dist loadfile` hands files to
+# the two workers in collection order, each when it frees up, so a long file handed out last would run alone at the
+# end while the other worker idles (alphabetically, test_train*.py came last).
+LONG_FILES = {
+    "test_parallelisms.py": 306, "test_dp_composition.py": 267, "test_dp_suite.py": 183, "test_train.py": 158,
+    "test_train_dp.py": 133, "test_train_configs.py": 122, "test_checkpoint.py": 120, "test_dp_engine.py": 109,
+    "test_latents.py": 86, "test_memory_estimate.py": 86, "test_config_manager.py": 86,
+    "test_kernels_converters.py": 63, "test_profile_memory.py": 47, "test_sample.py": 47, "test_attention_lab.py": 43,
+    "test_benchmark_sampling.py": 41, "test_dp_distributed.py": 41, "test_dp_llama3.py": 38,
+    "test_optimization_analysis.py": 36, "test_validation.py": 32,
+}  # fmt: skip
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    items.sort(key=lambda item: -LONG_FILES.get(item.path.name, 0))  # stable: a file's tests keep their order
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     """Dynamo's recompile limit (8 per code object) counts across the tests of one process: several tests compile
@@ -65,14 +82,16 @@ def free_port() -> int:
 
 
 class TrainServer:
-    """tests/train_server.py: forks one-process runs of a script from a process that has imported train.py's modules
-    (a run of the tiny config then starts in about 1 CPU-s instead of 7), in the environment it was started with."""
+    """tests/train_server.py: forks runs of a script from a process that has imported train.py's modules (a run of
+    the tiny config then starts in about 1 CPU-s instead of 7; a multi-process run forks its ranks there instead of
+    starting torchrun), in the environment it was started with."""
 
     def __init__(self, env: dict):
         self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "train_server.py")], cwd=ROOT, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)  # fmt: skip
         self.folder = Path(tempfile.mkdtemp(prefix="train_server_"))
-        self.running: int | None = None  # the pid of the run under way
+        self.running: int | None = None  # the pid of the run under way (of its agent, for several processes)
+        self.group = False  # whether that pid leads a process group: the agent of a multi-process run and its ranks
 
     def _answer(self, timeout: float | None) -> int:
         line = b""
@@ -84,11 +103,20 @@ class TrainServer:
             line += byte
         return int(line)
 
-    def run(self, cmd: list[str], script: str, args: list[str], env: dict, timeout: float):
+    def _kill(self, pid: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            if self.group:
+                os.killpg(pid, signal.SIGKILL)
+            else:
+                os.kill(pid, signal.SIGKILL)
+
+    def run(self, cmd: list[str], script: str, args: list[str], env: dict, timeout: float, nproc: int = 1):
         """As run_to_end(cmd, timeout, ROOT, env): at the timeout the run gets SIGTERM, then SIGKILL after 60 s."""
         out, err = self.folder / "stdout", self.folder / "stderr"
-        request = {"script": script, "args": args, "env": env, "stdout": str(out), "stderr": str(err)}
+        request = {"script": script, "args": args, "env": env, "stdout": str(out), "stderr": str(err), "nproc": nproc,
+                   "port": free_port()}  # fmt: skip
         self.proc.stdin.write((json.dumps(request) + "\n").encode())
+        self.group = nproc > 1
         pid = self.running = self._answer(None)
         try:
             status = self._answer(timeout)
@@ -97,7 +125,7 @@ class TrainServer:
             try:
                 self._answer(60)
             except TimeoutError:
-                os.kill(pid, signal.SIGKILL)
+                self._kill(pid)
                 self._answer(None)
             self.running = None
             raise subprocess.TimeoutExpired(cmd, timeout, output=out.read_text(), stderr=err.read_text()) from None
@@ -107,8 +135,7 @@ class TrainServer:
     def close(self) -> None:
         """Ends the server and the run it waits on, if any."""
         if self.running is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.running, signal.SIGKILL)
+            self._kill(self.running)
         self.proc.kill()
         self.proc.wait()
         shutil.rmtree(self.folder, ignore_errors=True)
@@ -127,18 +154,18 @@ def pytest_sessionfinish(session, exitstatus) -> None:
 
 def run_python(script: str, args: list[str], nproc: int = 1, timeout: float = 600, env: dict | None = None):
     """`python SCRIPT ARGS` in ROOT (through torchrun --standalone when nproc > 1), a thread a process; returns the
-    CompletedProcess. One process without `env` forks from the TrainServer of this environment (with
-    TORCHDITAN_TEST_FORK=0: never)."""
+    CompletedProcess. Without `env`, the run (its ranks, for nproc > 1) forks from the TrainServer of this
+    environment (with TORCHDITAN_TEST_FORK=0: never; scripts' own torchrun launches are tested elsewhere)."""
     base_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline"}
     cmd = [*launcher(nproc), script, *args]  # torchrun --standalone: its store takes a port no other run holds
-    if nproc == 1 and env is None and os.environ.get("TORCHDITAN_TEST_FORK", "1") != "0":
+    if env is None and os.environ.get("TORCHDITAN_TEST_FORK", "1") != "0":
         # Variables read at import are the server's: a server per environment but for the name of the test
         key = json.dumps({k: v for k, v in sorted(base_env.items()) if k != "PYTEST_CURRENT_TEST"})
         if key not in _train_servers:
             _train_servers[key] = TrainServer(base_env)
         server = _train_servers[key]
         try:
-            return server.run(cmd, script, args, base_env, timeout)
+            return server.run(cmd, script, args, base_env, timeout, nproc)
         except BaseException as e:
             if not isinstance(e, subprocess.TimeoutExpired):  # a protocol cut mid-way: no later run may read it
                 del _train_servers[key]

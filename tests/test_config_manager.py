@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.conftest import ROOT, run_train
+from tests.conftest import ROOT, run_python, run_train
 from torchtitan.config_manager import ConfigError, JobConfig, check_batch_sizes, parse_args, to_toml
 
 
@@ -138,10 +138,7 @@ def test_train_refuses_what_is_not_a_config_file_or_a_writable_run_folder(tmp_pa
 
 
 def test_help_lists_every_key():
-    import subprocess
-    import sys
-
-    out = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True).stdout
+    out = run_python("train.py", ["--help"]).stdout  # forked from the train server: `python train.py --help`
     keys = ("--training.global_batch_size", "--quantize.linear.float8.emulate", "--dp.augmult", "--latent.tokenizer",
             "--training.dataloader.num_workers", "--checkpoint.keep_latest_k")  # fmt: skip
     for key in keys:

@@ -2,6 +2,7 @@
 recorded, the largest-batch search, the shell wrappers, the plots and summary of visualize, and the Llama 3 FSDP
 suite (--model llama3: its runs' flags, one tiny point over two processes)."""
 
+import contextlib
 import json
 import os
 import shlex
@@ -18,11 +19,12 @@ from PIL import Image
 
 import scripts.lib.runner
 from scripts.dp import common, run_dp_suite, run_fsdp_suite, visualize
-from tests.conftest import ROOT, read_metrics
+from tests.conftest import ROOT, read_metrics, run_python
 from torchtitan.config_manager import parse_args
 from torchtitan.models.dit import DiT, dit_configs
 from torchtitan.models.llama3 import Llama3, llama3_configs
 from torchtitan.tools.batch_size_finder import Probe
+from torchtitan.tools.runs import RESULT_PREFIX, RunResult, launcher, status_of
 
 GIB = 1024**3
 # The debug DiT on 16x16x3 dummy pixels (patch 2: 64 tokens); the config keeps its 1000 classes.
@@ -41,12 +43,43 @@ def load(folder: Path, name: str) -> dict:
     return json.loads((folder / f"{name}.json").read_text())
 
 
+@contextlib.contextmanager
+def forked_launches():
+    """The suites' train.py runs fork from the train server (tests/conftest.py's run_python; a torchrun's ranks too)
+    instead of starting `python scripts/lib/tee.py LOG -- COMMAND` afresh: each process starts with torch and
+    torchtitan imported, some 9 CPU-s fewer (about 100 for this file's runs). The run's log and the launcher's result
+    are what the tee wrapper and launch_command make of its output and status (the tee's RESULT line holds the
+    return code); those two are test_scripts_lib's, on real processes. Other commands (the planted OOM) and runs with
+    an environment of their own launch as the script would."""
+    real = scripts.lib.runner.launch_command
+
+    def launch(run, cmd, timeout=None, cwd=ROOT):
+        log, inner = Path(cmd[2]), cmd[4:]  # [python, tee.py, LOG, "--", *COMMAND]
+        head = [*launcher(run.nproc), "train.py"]
+        if run.env or cwd != ROOT or inner[: len(head)] != head:
+            return real(run, cmd, timeout, cwd)
+        try:
+            proc = run_python("train.py", inner[len(head) :], run.nproc, timeout)
+        except subprocess.TimeoutExpired as e:
+            return RunResult(run.name, "timeout", output=(e.stdout or "")[-4000:])
+        returncode = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode  # as tee.py records it
+        log.write_text(proc.stdout + proc.stderr)
+        output = proc.stdout + proc.stderr + RESULT_PREFIX + json.dumps({"returncode": returncode}) + "\n"
+        status = status_of(returncode, output)
+        return RunResult(run.name, status, {"returncode": returncode} if status == "ok" else {}, output[-4000:])
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(scripts.lib.runner, "launch_command", launch)
+        yield
+
+
 @pytest.fixture(scope="module")
 def suite_a(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("dp_suite")
     argv = ["--modes", "vanilla ghost", "--batch-sizes", "2", "--output-dir", str(out), *RUN, "--find-max-batch",
             "--find-max-limit", "2", *TINY]  # fmt: skip
-    assert run_dp_suite.main(argv) == 0
+    with forked_launches():
+        assert run_dp_suite.main(argv) == 0
     return out
 
 
@@ -55,7 +88,8 @@ def suite_b(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("dp_fsdp_suite")
     argv = ["--nproc", "2", "--modes", "no_dp ghost", "--tokens", "64", "--batch-sizes", "2", "--output-dir",
             str(out), *RUN, "--model.flavor", "debug"]  # fmt: skip
-    assert run_fsdp_suite.main(argv) == 0
+    with forked_launches():
+        assert run_fsdp_suite.main(argv) == 0
     return out
 
 
@@ -64,8 +98,9 @@ def failed_runs(tmp_path_factory) -> Path:
     """A run that cannot start (no dataset folder) and one whose command dies of an out-of-memory error."""
     out = tmp_path_factory.mktemp("dp_suite_failed")
     bad = ["--training.dataset", "imagefolder", "--training.dataset_path", str(out / "missing")]
-    assert run_dp_suite.main(["--modes", "vanilla", "--batch-sizes", "3", "--output-dir", str(out), *RUN, *TINY,
-                              *bad]) == 0  # fmt: skip
+    with forked_launches():
+        assert run_dp_suite.main(["--modes", "vanilla", "--batch-sizes", "3", "--output-dir", str(out), *RUN, *TINY,
+                                  *bad]) == 0  # fmt: skip
     oom = [sys.executable, "-c", "import sys; print('torch.OutOfMemoryError: CUDA out of memory'); sys.exit(1)"]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(scripts.lib.runner, "train_command", lambda *args: oom)
@@ -319,7 +354,8 @@ def test_llama3_suite_shell_wrapper_leaves_the_model_defaults_to_python():
 def test_llama3_suite_runs_a_tiny_point_over_two_processes(tmp_path):
     argv = ["--model", "llama3", "--flavor", "debugmodel", "--tokens", "16", "--batch-sizes", "2", "--nproc", "2",
             "--modes", "no_dp", "--output-dir", str(tmp_path), *RUN]  # fmt: skip
-    assert run_fsdp_suite.main(argv) == 0
+    with forked_launches():
+        assert run_fsdp_suite.main(argv) == 0
     result = load(tmp_path, "no_dp_t16_bs2")
     assert result["status"] == "ok" and "--nproc_per_node=2" in result["command"]
     assert (result["model"], result["flavor"], result["seq_len"], result["input_size"]) == ("llama3", "debugmodel", 16,
