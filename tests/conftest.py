@@ -50,15 +50,16 @@ def interpreter_launch(monkeypatch):
 torch.set_num_threads(2)
 
 
-# The longest files first (seconds of each in the suite on CI's 2 cores, 2026-11-27): `--dist loadfile` hands files to
+# The longest files first (seconds of each in the suite on CI's 2 cores, 2026-11-27; test_kernels_triton_support's
+# interpreter child estimated from the eight children it replaced, each file's own): `--dist loadfile` hands files to
 # the two workers in collection order, each when it frees up, so a long file handed out last would run alone at the
 # end while the other worker idles (alphabetically, test_train*.py came last).
 LONG_FILES = {
-    "test_parallelisms.py": 306, "test_dp_composition.py": 267, "test_dp_suite.py": 183, "test_train.py": 158,
-    "test_train_dp.py": 133, "test_train_configs.py": 122, "test_checkpoint.py": 120, "test_dp_engine.py": 109,
-    "test_latents.py": 86, "test_memory_estimate.py": 86, "test_config_manager.py": 86,
-    "test_kernels_converters.py": 63, "test_profile_memory.py": 47, "test_sample.py": 47, "test_attention_lab.py": 43,
-    "test_benchmark_sampling.py": 41, "test_dp_distributed.py": 41, "test_dp_llama3.py": 38,
+    "test_parallelisms.py": 306, "test_kernels_triton_support.py": 250, "test_dp_composition.py": 180,
+    "test_dp_suite.py": 183, "test_train.py": 158, "test_train_dp.py": 133, "test_train_configs.py": 122,
+    "test_checkpoint.py": 120, "test_dp_engine.py": 109, "test_latents.py": 86, "test_config_manager.py": 86,
+    "test_profile_memory.py": 47, "test_sample.py": 47, "test_attention_lab.py": 43, "test_benchmark_sampling.py": 41,
+    "test_dp_distributed.py": 41, "test_dp_llama3.py": 38, "test_memory_estimate.py": 36,
     "test_optimization_analysis.py": 36, "test_validation.py": 32,
 }  # fmt: skip
 

@@ -15,8 +15,8 @@ import torch
 from tests.conftest import INTERPRETED_IMAGE_SIZE, ROOT, needs_interpreter
 from torchtitan.config_manager import parse_args
 from torchtitan.dp import DPEngine
-from torchtitan.dp.testing import clipped_mean, per_sample_grads, rerun_under_triton_interpreter
-from torchtitan.kernels.triton_support import triton, triton_interpreting
+from torchtitan.dp.testing import clipped_mean, per_sample_grads
+from torchtitan.kernels.triton_support import triton_interpreting
 from torchtitan.models.dit import DiT, dit_configs
 from torchtitan.models.dit.parallelize import parallelize_dit
 from torchtitan.parallelisms.parallel_dims import ParallelDims
@@ -28,7 +28,7 @@ AC = {
     "every_2nd": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"],
 }
 COMPILE = ["--compile.enable", "true"]
-# The TRITON_INTERPRET=1 child of test_converters_in_interpreter runs only the kernel-path tests (on 4x4 images).
+# The TRITON_INTERPRET=1 child of test_kernels_in_interpreter runs only the kernel-path tests (on 4x4 images).
 parent_only = pytest.mark.skipif(triton_interpreting(), reason="runs in the parent process")
 pytestmark = pytest.mark.usefixtures("interpreter_launch")
 SIZE = INTERPRETED_IMAGE_SIZE
@@ -147,11 +147,6 @@ def test_accumulation_compiled_and_checkpointed(mode):
         torch.testing.assert_close(got, norms[micro * 3 : (micro + 1) * 3], rtol=1e-4, atol=0)
     assert engine.step == 1  # the noise and the step counter come once, with the last micro-batch
     _assert_grads(model, clipped, f"accumulation {mode}")
-
-
-@pytest.mark.skipif(triton is None or triton_interpreting(), reason="needs triton; this is the child")
-def test_converters_in_interpreter():
-    rerun_under_triton_interpreter(__file__, min_passed=2)
 
 
 @needs_interpreter

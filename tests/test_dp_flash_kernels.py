@@ -3,8 +3,8 @@
 triton.jit picks the interpreter or the compiler when it decorates, and triton decorates its own
 library functions (tl.sum, ...) when it is first imported; so TRITON_INTERPRET=1 must be set
 before anything imports triton. The pytest process has long imported it (collection imports
-every test module), so `test_kernels_in_interpreter` reruns this module in a child process with
-the variable set, where the tests marked `needs_interpreter` run.
+every test module), so test_kernels_triton_support.py's `test_kernels_in_interpreter` reruns this module
+in a child process with the variable set, where the tests marked `needs_interpreter` run.
 """
 
 import logging
@@ -16,14 +16,9 @@ from torch import nn
 from tests.conftest import needs_interpreter
 from torchtitan.dp import DPEngine
 from torchtitan.dp import flash_kernels as fk
-from torchtitan.dp.testing import clipped_mean, per_sample_grads, rerun_under_triton_interpreter
+from torchtitan.dp.testing import clipped_mean, per_sample_grads
 
 pytestmark = pytest.mark.skipif(fk.triton is None, reason="triton is not installed")
-
-
-@pytest.mark.skipif(fk.triton_interpreting(), reason="this is the child")
-def test_kernels_in_interpreter():
-    rerun_under_triton_interpreter(__file__, min_passed=15)
 
 
 # (B, T, d, p): ragged edges everywhere, more than one tile along T (Gram: off-diagonal tiles

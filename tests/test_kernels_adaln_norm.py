@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from tests.conftest import needs_cuda_triton, needs_interpreter
-from torchtitan.dp.testing import rerun_under_triton_interpreter
 from torchtitan.kernels import adaln_norm as an
 from torchtitan.kernels.dit_modules import FusedNormDiTBlock, ResidualStream
 from torchtitan.kernels.triton_support import triton_interpreting
@@ -16,11 +15,6 @@ from torchtitan.models.dit import dit_configs
 from torchtitan.models.dit.model import DiTBlock
 
 pytestmark = pytest.mark.skipif(an.triton is None, reason="triton is not installed")
-
-
-@pytest.mark.skipif(triton_interpreting(), reason="this is the child")
-def test_kernels_in_interpreter():
-    rerun_under_triton_interpreter(__file__, min_passed=17)
 
 
 def _inputs(B, T, D, dtype, device="cpu", seed=0):

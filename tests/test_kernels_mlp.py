@@ -10,19 +10,12 @@ import pytest
 import torch
 
 from tests.conftest import needs_cuda_triton, needs_interpreter
-from torchtitan.dp.testing import rerun_under_triton_interpreter
 from torchtitan.kernels import mlp as ma
 from torchtitan.kernels.dit_modules import FusedFeedForward, apply_fused_mlp
-from torchtitan.kernels.triton_support import triton_interpreting
 from torchtitan.models.dit import DiT, dit_configs
 from torchtitan.models.dit.model import FeedForward
 
 pytestmark = pytest.mark.skipif(ma.triton is None, reason="triton is not installed")
-
-
-@pytest.mark.skipif(triton_interpreting(), reason="this is the child")
-def test_kernels_in_interpreter():
-    rerun_under_triton_interpreter(__file__, min_passed=4)
 
 
 def _run(fn, pre, bias, grad_h, kind):

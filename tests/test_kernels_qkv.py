@@ -11,20 +11,13 @@ import pytest
 import torch
 
 from tests.conftest import needs_cuda_triton, needs_interpreter
-from torchtitan.dp.testing import rerun_under_triton_interpreter
 from torchtitan.kernels import qkv as qp
 from torchtitan.kernels.converters import apply_converters
 from torchtitan.kernels.dit_modules import FusedQKVAttention
-from torchtitan.kernels.triton_support import triton_interpreting
 from torchtitan.models.dit import DiT, dit_configs
 from torchtitan.models.dit.model import Attention
 
 pytestmark = pytest.mark.skipif(qp.triton is None, reason="triton is not installed")
-
-
-@pytest.mark.skipif(triton_interpreting(), reason="this is the child")
-def test_kernels_in_interpreter():
-    rerun_under_triton_interpreter(__file__, min_passed=5)
 
 
 def _inputs(batch, tokens, dim, dtype, device="cpu"):

@@ -14,8 +14,7 @@ import torch
 from tests.conftest import ROOT
 from torchtitan.components.ema import EMA
 from torchtitan.config_manager import parse_args
-from torchtitan.dp.testing import rerun_under_triton_interpreter
-from torchtitan.kernels.triton_support import triton, triton_interpreting
+from torchtitan.kernels.triton_support import triton_interpreting
 from torchtitan.measure import measure_breakdown
 from torchtitan.models.dit import DiT, dit_configs
 from torchtitan.models.llama3 import Llama3, llama3_configs
@@ -229,11 +228,6 @@ def test_eager_fp32_activations_are_exact_on_cpu(tmp_path, monkeypatch, request,
     assert measured["stage"] == "forward"
     estimate = estimate_from_job_config(parse_args(args), world_size=1, device_type="cpu")
     assert estimate.parts["activations"] == measured["activations"]
-
-
-@pytest.mark.skipif(triton is None or triton_interpreting(), reason="this is the child, or triton is not installed")
-def test_kernels_in_interpreter():
-    rerun_under_triton_interpreter(__file__, min_passed=len(INTERPRETED))
 
 
 @parent_only

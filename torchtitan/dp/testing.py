@@ -45,13 +45,17 @@ def clipped_mean(grads: dict[str, torch.Tensor], max_grad_norm: float, batch_siz
     return {n: torch.einsum("b...,b->...", g, coef) / batch_size for n, g in grads.items()}, norms
 
 
-def rerun_under_triton_interpreter(test_file: str, min_passed: int) -> None:
-    """Runs a test module again in a child process with TRITON_INTERPRET=1, and asserts that it passed.
+def rerun_under_triton_interpreter(min_passed: dict[str, int], timeout: float = 1200) -> None:
+    """Runs test modules again, all in one child process with TRITON_INTERPRET=1, and asserts that they passed.
 
     triton.jit picks the interpreter or the compiler when it decorates, and triton decorates its own library
     functions (tl.sum, ...) when it is first imported, so the variable must be set before anything imports
-    triton: the pytest process has long imported it (collection imports every test module). `min_passed`
-    proves the interpreter-only tests did run in the child.
+    triton: the pytest process has long imported it (collection imports every test module). One child for every
+    module: each would otherwise pay the start of Python, torch and pytest again.
+
+    Args:
+        min_passed: {test module's path: how many of its tests must pass in the child}, which proves that its
+            interpreter-only tests did run there.
 
     Skipped where CUDA is: the interpreter stands in for a GPU on CPU machines (CI), and the kernels' CUDA tests run
     there instead. (The GPU machine's Triton, 3.6, cannot interpret `range(0, T, BLOCK_T)` over a runtime T: with
@@ -62,8 +66,13 @@ def rerun_under_triton_interpreter(test_file: str, min_passed: int) -> None:
 
         pytest.skip("CUDA is here: the kernels' CUDA tests stand for the interpreter's CPU run")
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-p", "no:warnings", test_file]
-    result = subprocess.run(cmd, env=env, cwd=Path(test_file).parents[1], capture_output=True, text=True, timeout=300)
+    files = list(min_passed)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rA", "-n", "0", "-p", "no:cacheprovider", "-p", "no:warnings"]
+    cmd += files
+    result = subprocess.run(cmd, env=env, cwd=Path(files[0]).parents[1], capture_output=True, text=True,
+                            timeout=timeout)  # fmt: skip
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]
-    ran = re.search(r"(\d+) passed", result.stdout)
-    assert ran and int(ran.group(1)) >= min_passed, result.stdout[-500:]
+    passed = re.findall(r"^PASSED ([^:\s]+)::", result.stdout, flags=re.MULTILINE)
+    for file, least in min_passed.items():
+        ran = sum(Path(p).name == Path(file).name for p in passed)
+        assert ran >= least, f"{Path(file).name}: {ran} passed in the interpreter, expected at least {least}"
