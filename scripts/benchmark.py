@@ -10,7 +10,9 @@ DP-SGD cases are cases like any other (`--dp.enable true --dp.mode flash_bookkee
 Each case is timed twice: each step to a device sync (the median: "step ms"), and the same number of steps back to
 back as training runs them ("streamed ms"), with the share of those the host waited for data ("data %").
 `--data config` measures on the config's own dataset (an image folder of JPEGs, say) instead of generated
-batches, and adds the loader's own images/s per worker.
+batches, and adds the loader's own images/s per worker. `--profile` then profiles each case's warm steps: the
+top CUDA kernels and where the GPU waited, then where the host's time went by op; `--profile-dir` keeps each
+case's tables and trace.
 """
 
 import argparse
@@ -34,15 +36,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--nproc", type=int, default=1, help="processes per case (torchrun)")
     parser.add_argument("--timeout", type=float, default=None, help="seconds a case may take")
     parser.add_argument("--json-out", default="", help="also write the results here")
-    parser.add_argument("--profile", action="store_true", help="print each case's top CUDA kernels")
+    parser.add_argument("--profile", action="store_true", help="then profile each case: its top CUDA kernels, where "
+                        "the GPU waited, where the host's time went (torchtitan.measure.print_profile)")  # fmt: skip
+    parser.add_argument("--profile-dir", default="", help="with --profile: also write each case's profile.md and "
+                        "trace.json.gz (Perfetto) into PROFILE_DIR/<case>/")  # fmt: skip
     parser.add_argument("--data", choices=["dummy", "config"], default="dummy",
                         help="dummy: generated batches of the model's shape (no I/O); config: the config's own "
                              "dataset and loader, whose rate alone is reported too")  # fmt: skip
     args = parser.parse_args(argv)
+    args.profile = args.profile or bool(args.profile_dir)
     results = []
     for case in args.case or ["default="]:
         run = parse_case(case, args.config, args.nproc)
-        outcome = launch(run, args.warmup, args.steps, args.timeout, args.profile, own_data=args.data == "config")
+        profile_dir = str(Path(args.profile_dir) / run.name) if args.profile_dir else None
+        outcome = launch(run, args.warmup, args.steps, args.timeout, args.profile, own_data=args.data == "config",
+                         profile_dir=profile_dir)  # fmt: skip
         results.append({"name": run.name, "status": outcome.status, **outcome.result})
         if not outcome.ok:
             print(outcome.output[-3000:], file=sys.stderr)

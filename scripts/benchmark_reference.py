@@ -236,7 +236,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="DDP(compile(model)) or compile(DDP(model))")  # fmt: skip
     parser.add_argument("--autocast", action=argparse.BooleanOptionalAction, default=True,
                         help="bf16 autocast over the forward and the loss (CUDA)")  # fmt: skip
-    parser.add_argument("--profile", action="store_true", help="also print the top CUDA kernels of 3 steps")
+    parser.add_argument("--profile", action="store_true", help="then profile 3 steps as scripts/benchmark.py does "
+                        "(CUDA): the top kernels, the GPU's waits, the host's ops")  # fmt: skip
     parser.add_argument("--json-out", type=Path, help="also write the result to this file (rank 0)")
     parser.add_argument("--name", default="reference_dit", help="the case's name in the table")
     parser.add_argument("--seed", type=int, default=0, help="the reference's global seed")

@@ -1,6 +1,6 @@
 """Measure the trainer's own step: warm step time, images/s, MFU and memory, or the memory breakdown by stage.
 
-    python -m torchtitan.measure [--warmup 3 --steps 10 --profile] -- --job.config_file X.toml [--key value ...]
+    python -m torchtitan.measure [--warmup 3 --steps 10 --profile [--profile-dir DIR]] -- --job.config_file X.toml [...]
     python -m torchtitan.measure --memory-breakdown [--forward-only] [--steps 2] -- --job.config_file X.toml
 
 Builds the Trainer in this process from train.py's arguments, with the `dummy` dataset (the config's own with
@@ -19,9 +19,11 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -67,9 +69,10 @@ def _sync(trainer: Trainer) -> None:
 
 
 def measure_steps(train_args: list[str], warmup: int = 3, steps: int = 10, profile: bool = False,
-                  own_data: bool = False) -> dict:  # fmt: skip
+                  own_data: bool = False, profile_dir: str | None = None) -> dict:  # fmt: skip
     """Warm step time of the trainer's `train_step()`, and what it means (images/s, TFLOP/s, MFU), peak memory
-    over the timed steps, the last loss; with `own_data` on the config's dataset, and the loader's own rate."""
+    over the timed steps, the last loss; with `own_data` on the config's dataset, and the loader's own rate. With
+    `profile`, then `print_profile` (into `profile_dir` too)."""
     with measuring_trainer(train_args, own_data) as trainer:
         start = time.perf_counter()
         for _ in range(warmup):
@@ -105,8 +108,8 @@ def measure_steps(train_args: list[str], warmup: int = 3, steps: int = 10, profi
             result["device"] = torch.cuda.get_device_name(trainer.device)
         if trainer.private is not None:  # epsilon, and the per-sample norms of every step (all ranks)
             result.update(trainer.private.metrics(trainer.parallel_dims.dp_group()))
-        if profile and trainer.device.type == "cuda":
-            print_profile(trainer)
+        if profile:
+            print_profile(trainer, out_dir=profile_dir)
         return result
 
 
@@ -126,18 +129,42 @@ def loader_rate(trainer: Trainer, batches: int) -> dict:
             "loader_workers": workers}  # fmt: skip
 
 
-def print_profile(trainer: Trainer, steps: int = 3) -> None:
-    """The top CUDA kernels of a few warm steps, and where the GPU waited between them."""
-    from torchtitan.components.profiling import idle_gaps, kernel_summary
+def print_profile(trainer: Trainer, steps: int = 3, out_dir: str | None = None) -> None:
+    """Profiles a few warm steps twice and prints what each found. On CUDA, first the device alone (the profiler
+    barely slows the host): the top kernels, and where the GPU waited between them. Then the host too: where its
+    time goes, by op. With `out_dir`, rank 0 also writes the text (`profile.md`) and the second pass's trace
+    (`trace.json.gz`, for chrome://tracing or Perfetto) there."""
+    from torchtitan.components.profiling import host_summary, idle_gaps, kernel_summary
 
-    _sync(trainer)
-    start = time.perf_counter()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    activity = torch.profiler.ProfilerActivity
+    parts = []
+    if trainer.device.type == "cuda":
+        _sync(trainer)
+        start = time.perf_counter()
+        with torch.profiler.profile(activities=[activity.CUDA]) as prof:
+            for _ in range(steps):
+                trainer.train_step()
+            _sync(trainer)
+        parts += [kernel_summary(prof, steps, 1000 * (time.perf_counter() - start) / steps), idle_gaps(prof, steps)]
+        print("\n".join(parts), flush=True)
+    activities = [activity.CPU, *([activity.CUDA] if trainer.device.type == "cuda" else [])]
+    with torch.profiler.profile(activities=activities) as prof:
         for _ in range(steps):
             trainer.train_step()
         _sync(trainer)
-    print(kernel_summary(prof, steps, 1000 * (time.perf_counter() - start) / steps), flush=True)
-    print(idle_gaps(prof, steps), flush=True)
+    parts.append(host_summary(prof, steps))
+    print(parts[-1], flush=True)
+    if out_dir and int(os.environ.get("RANK", "0")) == 0:
+        import gzip
+
+        folder = Path(out_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "profile.md").write_text("\n\n".join(parts) + "\n")
+        with tempfile.TemporaryDirectory() as tmp:
+            trace = Path(tmp) / "trace.json"
+            prof.export_chrome_trace(str(trace))
+            with open(trace, "rb") as src, gzip.open(folder / "trace.json.gz", "wb") as dst:
+                shutil.copyfileobj(src, dst)
 
 
 def measure_breakdown(train_args: list[str], forward_only: bool = False, steps: int = 2, out=None) -> dict:
@@ -184,7 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--warmup", type=int, default=3, help="steps before timing (compilation, autotuning)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps (recorded steps with --memory-breakdown)")
-    parser.add_argument("--profile", action="store_true", help="also print the top CUDA kernels of 3 steps")
+    parser.add_argument("--profile", action="store_true", help="then profile 3 steps: the top CUDA kernels and the "
+                        "GPU's waits, then the host's ops (print_profile)")  # fmt: skip
+    parser.add_argument("--profile-dir", default="", help="with --profile: also write profile.md and trace.json.gz "
+                        "here (rank 0)")  # fmt: skip
     parser.add_argument("--own-data", action="store_true", help="the config's dataset, not dummy data; and time "
                         "its loader alone")  # fmt: skip
     parser.add_argument("--memory-breakdown", action="store_true", help="record memory by stage instead of timing")
@@ -201,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
 
             print(format_records(result["records"]))
     else:
-        result = measure_steps(train_args, args.warmup, args.steps, args.profile, args.own_data)
+        result = measure_steps(train_args, args.warmup, args.steps, args.profile or bool(args.profile_dir),
+                               args.own_data, args.profile_dir or None)  # fmt: skip
     if int(os.environ.get("RANK", "0")) == 0:
         print(RESULT_PREFIX + json.dumps(result), flush=True)
     return 0

@@ -124,3 +124,17 @@ def idle_gaps(prof: torch.profiler.profile, steps: int, top: int = 10, min_us: f
     for key, (us, count) in sorted(waits.items(), key=lambda kv: -kv[1][0])[:top]:
         lines.append(f"| {key} | {us / 1000 / steps:.3f} | {count / steps:.1f} |")
     return "\n".join(lines)
+
+
+def host_summary(prof: torch.profiler.profile, steps: int, top: int = 25) -> str:
+    """Where the host's time goes in a profile with the CPU activity: the ops (aten ops, autograd nodes, compiled
+    graphs, launches, syncs) by their own CPU time per step. The CPU profiler slows the host itself (2-3x on a short
+    step), so these say which host work there is and in what proportion, not how long a step takes unprofiled."""
+    ops = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    total = sum(e.self_cpu_time_total for e in ops) / 1000 / steps
+    lines = [f"PROFILE host per step (CPU profiler on): {total:.1f} ms of CPU time in ops",
+             "| op | self CPU ms/step | CPU ms/step with children | calls/step |", "|---|---|---|---|"]  # fmt: skip
+    for e in sorted(ops, key=lambda e: -e.self_cpu_time_total)[:top]:
+        lines.append(f"| {e.key[:110]} | {e.self_cpu_time_total / 1000 / steps:.3f} | "
+                     f"{e.cpu_time_total / 1000 / steps:.3f} | {e.count / steps:.1f} |")  # fmt: skip
+    return "\n".join(lines)
