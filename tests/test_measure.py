@@ -1,5 +1,8 @@
 """torchtitan.measure on CPU: what scripts/benchmark.py reports of the trainer's own step, and of its loader."""
 
+import gzip
+import json
+
 import pytest
 
 from tests.conftest import TINY
@@ -17,8 +20,8 @@ def test_own_data_keeps_the_config_dataset_and_times_its_loader_and_profiles_the
     # No loader workers: the main process is the one worker.
     assert result["loader_workers"] == 0 and result["loader_images_per_second"] > 0
     assert result["loader_images_per_second_per_worker"] == result["loader_images_per_second"]
-    # The profile (here the host's alone: no CUDA): a row per op, 3 steps' worth, the optimizer's step among them,
-    # and the same tables and a trace in the folder.
+    # The profile (here the host's alone: no CUDA): a row per op, heaviest first, per step of the 3 profiled; the
+    # same table and a trace in the folder.
     printed = capsys.readouterr().out
     table = printed[printed.index("PROFILE host per step") :]
     rows = [line.split(" | ") for line in table.splitlines()[3:] if line.startswith("| ")]
@@ -29,8 +32,5 @@ def test_own_data_keeps_the_config_dataset_and_times_its_loader_and_profiles_the
     matmuls = [float(r[3].rstrip(" |")) for r in rows if r[0].strip("| ") in ("aten::mm", "aten::addmm")]
     assert matmuls and all(calls >= 1 and calls == int(calls) for calls in matmuls), table
     assert (tmp_path / "prof" / "profile.md").read_text().strip() == table.strip()
-    import gzip
-    import json
-
     trace = json.loads(gzip.open(tmp_path / "prof" / "trace.json.gz").read())
     assert any(e.get("name", "").startswith("aten::") for e in trace["traceEvents"])

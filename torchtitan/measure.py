@@ -17,6 +17,7 @@ finder and the script grids run this module in fresh processes.
 
 import argparse
 import contextlib
+import gzip
 import json
 import os
 import shutil
@@ -155,8 +156,6 @@ def print_profile(trainer: Trainer, steps: int = 3, out_dir: str | None = None) 
     parts.append(host_summary(prof, steps))
     print(parts[-1], flush=True)
     if out_dir and int(os.environ.get("RANK", "0")) == 0:
-        import gzip
-
         folder = Path(out_dir)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "profile.md").write_text("\n\n".join(parts) + "\n")
