@@ -17,10 +17,8 @@ finder and the script grids run this module in fresh processes.
 
 import argparse
 import contextlib
-import gzip
 import json
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -159,11 +157,7 @@ def print_profile(trainer: Trainer, steps: int = 3, out_dir: str | None = None) 
         folder = Path(out_dir)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "profile.md").write_text("\n\n".join(parts) + "\n")
-        with tempfile.TemporaryDirectory() as tmp:
-            trace = Path(tmp) / "trace.json"
-            prof.export_chrome_trace(str(trace))
-            with open(trace, "rb") as src, gzip.open(folder / "trace.json.gz", "wb") as dst:
-                shutil.copyfileobj(src, dst)
+        prof.export_chrome_trace(str(folder / "trace.json.gz"))  # the profiler gzips a .gz path itself
 
 
 def measure_breakdown(train_args: list[str], forward_only: bool = False, steps: int = 2, out=None) -> dict:
