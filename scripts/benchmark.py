@@ -38,13 +38,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json-out", default="", help="also write the results here")
     parser.add_argument("--profile", action="store_true", help="then profile each case: its top CUDA kernels, where "
                         "the GPU waited, where the host's time went (torchtitan.measure.print_profile)")  # fmt: skip
-    parser.add_argument("--profile-dir", default="", help="with --profile: also write each case's profile.md and "
+    parser.add_argument("--profile-dir", default="", help="as --profile, and write each case's profile.md and "
                         "trace.json.gz (Perfetto) into PROFILE_DIR/<case>/")  # fmt: skip
     parser.add_argument("--data", choices=["dummy", "config"], default="dummy",
                         help="dummy: generated batches of the model's shape (no I/O); config: the config's own "
                              "dataset and loader, whose rate alone is reported too")  # fmt: skip
     args = parser.parse_args(argv)
-    args.profile = args.profile or bool(args.profile_dir)
     results = []
     for case in args.case or ["default="]:
         run = parse_case(case, args.config, args.nproc)
@@ -54,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
         results.append({"name": run.name, "status": outcome.status, **outcome.result})
         if not outcome.ok:
             print(outcome.output[-3000:], file=sys.stderr)
-        elif args.profile:
+        elif args.profile or args.profile_dir:
             print("\n".join(line for line in outcome.output.splitlines() if not line.startswith("MEASURE_RESULT")))
         print(json.dumps(results[-1]), flush=True)
     if args.json_out:

@@ -71,7 +71,7 @@ def measure_steps(train_args: list[str], warmup: int = 3, steps: int = 10, profi
                   own_data: bool = False, profile_dir: str | None = None) -> dict:  # fmt: skip
     """Warm step time of the trainer's `train_step()`, and what it means (images/s, TFLOP/s, MFU), peak memory
     over the timed steps, the last loss; with `own_data` on the config's dataset, and the loader's own rate. With
-    `profile`, then `print_profile` (into `profile_dir` too)."""
+    `profile` or a `profile_dir`, then `print_profile` (into `profile_dir` too)."""
     with measuring_trainer(train_args, own_data) as trainer:
         start = time.perf_counter()
         for _ in range(warmup):
@@ -107,7 +107,7 @@ def measure_steps(train_args: list[str], warmup: int = 3, steps: int = 10, profi
             result["device"] = torch.cuda.get_device_name(trainer.device)
         if trainer.private is not None:  # epsilon, and the per-sample norms of every step (all ranks)
             result.update(trainer.private.metrics(trainer.parallel_dims.dp_group()))
-        if profile:
+        if profile or profile_dir:
             print_profile(trainer, out_dir=profile_dir)
         return result
 
@@ -206,8 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10, help="timed steps (recorded steps with --memory-breakdown)")
     parser.add_argument("--profile", action="store_true", help="then profile 3 steps: the top CUDA kernels and the "
                         "GPU's waits, then the host's ops (print_profile)")  # fmt: skip
-    parser.add_argument("--profile-dir", default="", help="with --profile: also write profile.md and trace.json.gz "
-                        "here (rank 0)")  # fmt: skip
+    parser.add_argument("--profile-dir", default="", help="profile as --profile does, and write profile.md and "
+                        "trace.json.gz here (rank 0)")  # fmt: skip
     parser.add_argument("--own-data", action="store_true", help="the config's dataset, not dummy data; and time "
                         "its loader alone")  # fmt: skip
     parser.add_argument("--memory-breakdown", action="store_true", help="record memory by stage instead of timing")
@@ -224,8 +224,9 @@ def main(argv: list[str] | None = None) -> int:
 
             print(format_records(result["records"]))
     else:
-        result = measure_steps(train_args, args.warmup, args.steps, args.profile or bool(args.profile_dir),
-                               args.own_data, args.profile_dir or None)  # fmt: skip
+        result = measure_steps(
+            train_args, args.warmup, args.steps, args.profile, args.own_data, args.profile_dir or None
+        )
     if int(os.environ.get("RANK", "0")) == 0:
         print(RESULT_PREFIX + json.dumps(result), flush=True)
     return 0

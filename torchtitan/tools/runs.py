@@ -82,9 +82,10 @@ def command(run: Run, measure_args: list[str], module: str = "torchtitan.measure
 def launch(run: Run, warmup: int = 3, steps: int = 10, timeout: float | None = None, profile: bool = False,
            cwd: Path = ROOT, own_data: bool = False, profile_dir: str | None = None) -> RunResult:  # fmt: skip
     """Runs `torchtitan.measure` for one run in a fresh process: `warmup` steps, then `steps` timed ones (on the
-    config's dataset with `own_data`), then with `profile` its profile (written into `profile_dir` too)."""
+    config's dataset with `own_data`), then with `profile` or a `profile_dir` its profile (written into `profile_dir`
+    too)."""
     measure_args = ["--warmup", str(warmup), "--steps", str(steps), *(["--profile"] if profile else []),
-                    *(["--profile-dir", str(profile_dir)] if profile and profile_dir else []),
+                    *(["--profile-dir", str(profile_dir)] if profile_dir else []),
                     *(["--own-data"] if own_data else [])]  # fmt: skip
     return launch_command(run, command(run, measure_args), timeout, cwd)
 
