@@ -1,4 +1,9 @@
-"""Synthetic tensors of any shape, for benchmarks: no I/O, no decoding."""
+"""Synthetic tensors of any shape, for benchmarks: no I/O, no decoding, and no loading cost at all.
+
+A batch is one gather from a fixed pool (`gather`), which the loader does where the pool lives: on the GPU once
+the device prefetcher has moved it there (`move_pool`), so a benchmark's step never waits for collation, pinning
+or a host-to-device copy, whatever `training.dataloader.num_workers` says.
+"""
 
 import torch
 from torch.utils.data import Dataset
@@ -27,3 +32,15 @@ class DummyDataset(Dataset):
 
     def __getitem__(self, index: int):
         return self.images[index % len(self.images)], self.labels[index % len(self.labels)]
+
+    def gather(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The items at `indices` (B,) as one batch, (B, C, H, W) and (B,), equal to collating `self[i]` for each:
+        one gather each, on the device the pool lives on."""
+        slots = (indices % len(self.images)).to(self.images.device, non_blocking=True)
+        return self.images.index_select(0, slots), self.labels.index_select(0, slots)
+
+    def move_pool(self, device: torch.device) -> None:
+        """Keeps the pool on `device` (on a GPU: 50 MiB of pixels at 256x256, or 64 MiB of 64x64x16 latents), where
+        `gather` then builds each batch. Only for loaders that gather in this process: a forked loader worker
+        cannot touch CUDA memory."""
+        self.images, self.labels = self.images.to(device), self.labels.to(device)

@@ -7,6 +7,25 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchtitan.tools.logging import logger
 
 
+def gathers(dataset: Dataset) -> bool:
+    """Whether `dataset` builds a whole batch in one call, `gather(indices)` (the dummy data's pool), rather than
+    item by item."""
+    return callable(getattr(dataset, "gather", None))
+
+
+class _Positions(Dataset):
+    """Item i is i: a loader over it hands out the sampler's index batches, for a dataset that gathers them."""
+
+    def __init__(self, length: int):
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
 def stop_workers(loader, iterator) -> None:
     """Stops a loader's worker processes now, persistent ones included, rather than whenever the iterators holding
     them are collected (a process that builds several trainers, or goes on after one, would keep them)."""
@@ -23,6 +42,10 @@ class DiffusionDataLoader:
 
     `StatefulDataLoader` remembers the position inside an epoch but not the sampler's epoch
     (which seeds the shuffle), so the epoch is saved here beside the loader's own state.
+
+    A dataset that gathers whole batches (`gathers`) is read in this process, whatever `num_workers` says: the
+    loader hands out the sampler's index batches and the dataset gathers each one where its pool lives
+    (`place_on`), the same samples in the same order as item by item.
     """
 
     def __init__(self, dataset: Dataset, batch_size: int, dp_rank: int, dp_world: int, seed: int, dataloader_config):
@@ -35,15 +58,16 @@ class DiffusionDataLoader:
         self.sampler = DistributedSampler(
             dataset, num_replicas=dp_world, rank=dp_rank, shuffle=True, seed=seed, drop_last=True
         )
-        workers = dataloader_config.num_workers
+        self.gathers = gathers(dataset)
+        workers = 0 if self.gathers else dataloader_config.num_workers
         self.loader = StatefulDataLoader(
-            dataset,
+            _Positions(len(dataset)) if self.gathers else dataset,
             batch_size=batch_size,
             sampler=self.sampler,
             drop_last=True,
             num_workers=workers,
             persistent_workers=dataloader_config.persistent_workers and workers > 0,
-            pin_memory=dataloader_config.pin_memory and torch.cuda.is_available(),
+            pin_memory=dataloader_config.pin_memory and torch.cuda.is_available() and not self.gathers,
             prefetch_factor=dataloader_config.prefetch_factor if workers > 0 else None,
         )
         self.epoch = 0
@@ -59,10 +83,17 @@ class DiffusionDataLoader:
                 self.sampler.set_epoch(self.epoch)
                 self._iterator = iter(self.loader)
             try:
-                return next(self._iterator)
+                batch = next(self._iterator)
             except StopIteration:
                 self.epoch += 1
                 self._iterator = None
+                continue
+            return self.dataset.gather(batch) if self.gathers else batch
+
+    def place_on(self, device: torch.device) -> None:
+        """Batches are made on `device` from here on where the dataset gathers them (its pool moves there)."""
+        if self.gathers:
+            self.dataset.move_pool(device)
 
     def close(self) -> None:
         """Stops the worker processes, at the end of training (the loader is not used after)."""
@@ -153,6 +184,9 @@ class PoissonDataLoader:
                 sampler = self.batch_sampler
                 torch.manual_seed(block_seed(sampler.seed, step, "poisson_loader", sampler.rank))
             indices, mask = pad_batch(self.batch_sampler.batch(step), self.padded_size)
+            if gathers(self.dataset):  # one gather, where the pool lives (`place_on`)
+                inputs, labels = self.dataset.gather(torch.tensor(indices))
+                return inputs, labels, mask
             items = [self.dataset[i] for i in indices]
             inputs = torch.stack([x for x, _ in items])  # images, or token windows
             labels = torch.stack([torch.as_tensor(label, dtype=torch.long) for _, label in items])  # (B,) or (B, T)
@@ -188,6 +222,13 @@ class PoissonDataLoader:
             generator=torch.Generator().manual_seed(batch_sampler.seed),
         )
         self._iterator = None  # started at the first batch, so a resume's load_state_dict starts no workers
+        self.workers = workers
+
+    def place_on(self, device: torch.device) -> None:
+        """Batches are made on `device` from here on where the dataset gathers them and no worker process reads it
+        (a forked worker cannot touch CUDA memory; workers gather on the host, off the step's path)."""
+        if gathers(self.dataset) and self.workers == 0:
+            self.dataset.move_pool(device)
 
     def __iter__(self):
         return self

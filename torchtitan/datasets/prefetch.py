@@ -38,6 +38,9 @@ class DevicePrefetcher:
         self.dataset = host.dataset
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        place_on = getattr(host, "place_on", None)
+        if place_on is not None:  # a loader that can make batches on the device itself (the dummy data's)
+            place_on(device)
         self._ahead = None  # (batch on the device, copy-done event or None, host state before the batch)
 
     def __iter__(self):
@@ -53,15 +56,19 @@ class DevicePrefetcher:
             batch = next(self.host)
         except StopIteration:
             return
-        if self.stream is None:
+        made_here = [t.device.type != "cpu" for t in batch]  # made on the device by the loader (the dummy data's)
+        if self.stream is None or all(made_here):
             self._ahead = (batch_to_device(batch, self.device), None, state)
             return
         # Pageable memory would make the copy synchronous with the host; a pinned source lets it run on its own.
-        batch = tuple(t if t.is_pinned() else t.pin_memory() for t in batch)
+        # What the loader made on the device was made on this stream, so it is converted here, not on the side one.
+        batch = tuple(t if here or t.is_pinned() else t.pin_memory() for t, here in zip(batch, made_here))
         with torch.cuda.stream(self.stream):
-            moved = batch_to_device(batch, self.device, non_blocking=True)
+            moved = [None if here else batch_to_device((t,), self.device, non_blocking=True)[0]
+                     for t, here in zip(batch, made_here)]  # fmt: skip
             ready = torch.cuda.Event()
             ready.record(self.stream)
+        moved = tuple(images_to_float(t) if here else m for t, m, here in zip(batch, moved, made_here))
         self._ahead = (moved, ready, state)
 
     def __next__(self) -> tuple:
