@@ -105,6 +105,9 @@ def autotune(knobs: dict, args, extra: list[str]) -> lib.Run | None:
     found = lib.find_max_batch(lambda b: grid_run({**knobs, "batch": b}, args.probe_steps, extra), folder,
                                args.autotune_limit, args.timeout or None, args.force)  # fmt: skip
     if found["batch"]:
+        probes = ", ".join(f"{p['batch']} {p['status']}" for p in found.get("probes", []))
+        bound = "at least " if found.get("lower_bound") else ""
+        print(f"{run_name(knobs)}: the largest batch a GPU is {bound}{found['batch']} (probes: {probes})", flush=True)
         return grid_run({**knobs, "batch": found["batch"]}, args.steps, extra)
     smallest = grid_run({**knobs, "batch": 1}, args.steps, extra)
     run_dir = Path(args.output_dir) / smallest.name
@@ -113,6 +116,16 @@ def autotune(knobs: dict, args, extra: list[str]) -> lib.Run | None:
     else:  # a probe failed otherwise: its own folder under autotune/ holds the log
         lib.write_status(smallest, run_dir, "failed (finder)", note=found["error"])
     return None
+
+
+def answer_line(run: lib.Run, run_dir: Path) -> str:
+    """The autotune's answer for one setting: its run at the largest batch, warm steps (the first compiles)."""
+    warm = lib.warm_metrics(run_dir, skip=1)
+    rate = f"{warm['images_per_second']:.1f} images/s" if "images_per_second" in warm else "no images/s logged"
+    mfu = f", {warm['mfu']:.1f}% MFU" if "mfu" in warm else ""
+    memory = f", {warm['peak_memory_gib']:.1f} GiB peak active" if "peak_memory_gib" in warm else ""
+    reserved = f" ({warm['reserved_gib']:.1f} reserved)" if "reserved_gib" in warm else ""
+    return f"autotune answer: {run.name}: {run.knobs['batch']} a GPU, {rate}{mfu}{memory}{reserved}"
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
@@ -155,7 +168,10 @@ def main(argv: list[str] | None = None) -> int:
             if run is None:
                 failed += 1
                 continue
-        failed += lib.execute(run, output_dir / run.name, args.timeout or None, args.force)["status"] != "ok"
+        record = lib.execute(run, output_dir / run.name, args.timeout or None, args.force)
+        failed += record["status"] != "ok"
+        if args.autotune and record["status"] == "ok":
+            print(answer_line(run, output_dir / run.name), flush=True)
     print(f"done: {failed} run(s) not ok (recorded in their status.json)" if not args.dry_run else "dry run")
     return 0
 

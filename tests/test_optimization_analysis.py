@@ -108,6 +108,28 @@ def test_autotune_records_a_setting_that_fits_nowhere(tmp_path, monkeypatch):
     assert {r["status"] for r in load_runs(tmp_path)} == {"OOM", "failed (finder)"}  # the analysis lists them
 
 
+def test_autotune_prints_its_answer(tmp_path, monkeypatch, capsys):
+    """The autotune ends with its answer for each setting: the largest batch a GPU, with the probes that bracket it,
+    then the images/s, MFU and memory of the run at that batch (warm steps)."""
+    import scripts.run_ablation as ablation
+
+    found = {"batch": 8, "lower_bound": False, "probes": [{"batch": 4, "status": "ok"}, {"batch": 9, "status": "OOM"},
+                                                          {"batch": 8, "status": "ok"}]}  # fmt: skip
+    monkeypatch.setattr(ablation.lib, "find_max_batch", lambda *args: found)
+
+    def execute(run, run_dir, timeout, force):  # the run at the answer, as train.py leaves it
+        fabricate(run_dir.parent, run.knobs, images_per_second=100.0, memory=12.5)
+        return {"status": "ok"}
+
+    monkeypatch.setattr(ablation.lib, "execute", execute)
+    grid = ["--size", "debug", "--ngpu", "1", "--autotune", "--precisions", "bf16", "--ac", "full", "--compile", "1",
+            "--output-dir", str(tmp_path)]  # fmt: skip
+    assert main(grid) == 0
+    out = capsys.readouterr().out
+    assert "dit_debug_bsautops2_actfull_c1bf16p1s1: the largest batch a GPU is 8 (probes: 4 ok, 9 OOM, 8 ok)" in out
+    assert "autotune answer: dit_debug_bs8ps2_actfull_c1bf16p1s1: 8 a GPU, 100.5 images/s, 10.1% MFU, 12.5 GiB" in out
+
+
 def fabricate(root, knobs: dict, status: str = "ok", images_per_second: float = 100.0, memory: float = 10.0):
     """A run folder as run_ablation.py and train.py leave it; the first logged step is slow (compilation)."""
     folder = root / run_name(knobs)

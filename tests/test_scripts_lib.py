@@ -4,6 +4,7 @@ batch search over recorded runs (stand-in commands: no training here, the suites
 import json
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -155,3 +156,34 @@ def test_find_max_batch_over_recorded_probes(tmp_path, monkeypatch):
     assert broken == {"batch": None, "start": 1, "error": "batch 7: failed (2)"}
     at_limit = find_max_batch(run_at, tmp_path / "small", limit=3)
     assert at_limit["batch"] == 3 and at_limit["lower_bound"] is True  # nothing ran out of memory above it
+
+
+def test_a_search_cut_off_resumes_from_its_committed_probes(tmp_path, monkeypatch):
+    """A search cut off by a call's time limit resumes in the next call, on another machine, from the folder its
+    probes were committed to: each probe recorded ok is reused, though its command ran another interpreter in
+    another run folder, and only the unfinished probe runs again (the 7B autotune's, 2026-11-28)."""
+    fake = tmp_path / "bin" / "train.py"  # launched by path, as the scripts launch train.py from the repo
+    fake.parent.mkdir()
+    fake.write_text(FAKE_TRAIN.replace("int(sys.argv[1]), sys.argv[2]", "int(sys.argv[3]), sys.argv[2]"))
+    ran = []
+    launch = scripts.lib.runner.launch_command
+    monkeypatch.setattr(scripts.lib.runner, "launch_command", lambda run, *a, **k: ran.append(run.name) or
+                        launch(run, *a, **k))  # fmt: skip
+    monkeypatch.setattr(scripts.lib.runner, "train_command", lambda run, run_dir: [
+        sys.executable, str(fake), "--job.dump_folder", str(run_dir), str(run.knobs["batch"])])  # fmt: skip
+    monkeypatch.setattr(scripts.lib.batch_search, "device_memory_gib", lambda: None)
+
+    def run_at(batch: int) -> Run:
+        return Run(f"bs{batch}", ["--job.config_file", "train_configs/debug_model.toml"], knobs={"batch": batch})
+
+    found = find_max_batch(run_at, tmp_path / "call_d" / "bsauto", limit=16)
+    assert found["batch"] == 5 and ran == ["bs1", "bs2", "bs4", "bs8", "bs6", "bs5"]
+    moved = tmp_path / "committed" / "bsauto"
+    shutil.copytree(tmp_path / "call_d" / "bsauto", moved)
+    for status in moved.glob("*/status.json"):
+        record = json.loads(status.read_text())
+        record["command"] = record["command"].replace(sys.executable, "/elsewhere/bin/python3")
+        status.write_text(json.dumps(record))
+    (moved / "bs5" / "status.json").unlink()  # bs5 was still running when the call ended
+    ran.clear()
+    assert find_max_batch(run_at, moved, limit=16) == found and ran == ["bs5"]  # OOM records stand too

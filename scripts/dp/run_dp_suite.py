@@ -30,20 +30,17 @@ if str(ROOT) not in sys.path:
 
 from scripts.dp import common  # noqa: E402  (needs the repository root on the path)
 from scripts.lib import batch_probe, device_memory_gib, search, words  # noqa: E402
+from torchtitan.tools.batch_size_finder import Probe  # noqa: E402
+from torchtitan.tools.batch_size_finder import predicted_max_batch as finder_prediction  # noqa: E402
 
 MODES = ("vanilla", "ghost", "flash", "bookkeeping", "flash_bookkeeping")
 
 
 def predicted_max_batch(results: list[dict], memory_gib: float | None) -> float | None:
-    """The batch at which a line through the peaks of the smallest and largest ok batch reaches memory_gib."""
-    points = sorted((r["batch"], r["peak_memory_gib"]) for r in results if r["status"] == "ok" and
-                    r.get("peak_memory_gib"))  # fmt: skip
-    if not memory_gib or len(points) < 2:
-        return None
-    (b1, m1), (b2, m2) = points[0], points[-1]
-    if b2 == b1 or m2 <= m1:
-        return None
-    return b1 + (memory_gib - m1) * (b2 - b1) / (m2 - m1)
+    """The batch at which a line through the peaks of the smallest and largest ok batch reaches memory_gib (the
+    finder's `predicted_max_batch` over the suite's results)."""
+    probes = [Probe(r["batch"], r["status"], r.get("peak_memory_gib")) for r in results]
+    return finder_prediction(probes, memory_gib)
 
 
 def search_window(results: list[dict], memory_gib: float | None, limit: int, multiple_of: int,

@@ -13,7 +13,14 @@ from pathlib import Path
 
 from scripts.lib.runner import execute
 from scripts.lib.summary import GIB, warm_metrics
-from torchtitan.tools.batch_size_finder import Probe, ProbeFailed, estimated_max_batch, find_max_batch_size
+from torchtitan.tools.batch_size_finder import (
+    Probe,
+    ProbeFailed,
+    estimated_gib_per_sample,
+    estimated_max_batch,
+    find_max_batch_size,
+    predicted_max_batch,
+)
 from torchtitan.tools.runs import Run
 
 
@@ -35,15 +42,18 @@ def batch_probe(run_at: Callable[[int], Run], folder: Path, timeout: float | Non
     def probe(batch: int) -> Probe:
         run = run_at(batch)
         run_dir = Path(folder) / run.name
-        record = execute(run, run_dir, timeout, force)
+        record = execute(run, run_dir, timeout, force, keep=("ok", "OOM"))
         measured = warm_metrics(run_dir, skip=0)
-        return Probe(batch, record["status"], measured.get("peak_memory_gib"), {**record, **measured})
+        return Probe(batch, record["status"], measured.get("peak_memory_gib"), {**record, **measured},
+                     measured.get("reserved_gib"))  # fmt: skip
 
     return probe
 
 
-def search(probe: Callable[[int], Probe], start: int, limit: int, multiple_of: int = 1) -> dict:
-    """The finder's answer from `start`, at most `limit`, in multiples of `multiple_of`.
+def search(probe: Callable[[int], Probe], start: int, limit: int, multiple_of: int = 1,
+           predict: Callable[[list[Probe]], float | None] | None = None) -> dict:  # fmt: skip
+    """The finder's answer from `start`, at most `limit`, in multiples of `multiple_of`, steered by `predict` where
+    given (`find_max_batch_size`).
 
     Returns:
         batch (the largest that ran, 0: none; None when a probe failed otherwise, `error` says how), start,
@@ -51,14 +61,14 @@ def search(probe: Callable[[int], Probe], start: int, limit: int, multiple_of: i
         peak_memory_gib of that batch's probe, and every probe (batch, status, peak memory) in the order run.
     """
     try:
-        best, history = find_max_batch_size(probe, start, limit, multiple_of)
+        best, history = find_max_batch_size(probe, start, limit, multiple_of, predict)
     except ProbeFailed as e:  # a broken run must not pass for a memory limit
         return {"batch": None, "start": start, "error": str(e)}
     oom_above = any(p.status == "OOM" and p.batch > best for p in history)
     return {"batch": best, "start": start, "lower_bound": not oom_above,
             "peak_memory_gib": next((p.peak_memory_gib for p in history if p.ok and p.batch == best), None),
-            "probes": [{"batch": p.batch, "status": p.status, "peak_memory_gib": p.peak_memory_gib}
-                       for p in history]}  # fmt: skip
+            "probes": [{"batch": p.batch, "status": p.status, "peak_memory_gib": p.peak_memory_gib,
+                        "reserved_gib": p.reserved_gib} for p in history]}  # fmt: skip
 
 
 def estimated_start(run: Run, memory_gib: float | None) -> int:
@@ -68,6 +78,17 @@ def estimated_start(run: Run, memory_gib: float | None) -> int:
     if not memory_gib:
         return 1
     return max(1, estimated_max_batch(parse_args(run.args), run.nproc, int(memory_gib * GIB)))
+
+
+def memory_guide(run: Run, memory_gib: float | None, start: int) -> Callable[[list[Probe]], float | None] | None:
+    """The finder's guide for `run` on a device of `memory_gib`: the line through the probes' peaks, with the
+    analytic estimate's memory per sample while only one probe ran; None without a GPU."""
+    from torchtitan.config_manager import parse_args
+
+    if not memory_gib:
+        return None
+    slope = estimated_gib_per_sample(parse_args(run.args), run.nproc, start)
+    return lambda probes: predicted_max_batch(probes, memory_gib, slope)
 
 
 def find_max_batch(run_at: Callable[[int], Run], folder: Path, limit: int, timeout: float | None = None,
@@ -87,12 +108,14 @@ def find_max_batch(run_at: Callable[[int], Run], folder: Path, limit: int, timeo
     found_file = folder.parent / f"{folder.name}.json"  # not with_suffix: run names hold dots ("dit_0.5B_...")
     if found_file.is_file() and not force:  # the probes are the expensive part: keep their answer
         return json.loads(found_file.read_text())
+    memory = device_memory_gib()
     try:
-        start = min(estimated_start(run_at(1), device_memory_gib()), limit)
+        start = min(estimated_start(run_at(1), memory), limit)
+        guide = memory_guide(run_at(1), memory, start)
     except ValueError as e:  # ConfigError: the run could not start either
         found = {"batch": None, "start": None, "error": str(e)}
     else:
-        found = search(batch_probe(run_at, folder, timeout, force), start, limit)
+        found = search(batch_probe(run_at, folder, timeout, force), start, limit, predict=guide)
     found_file.parent.mkdir(parents=True, exist_ok=True)
     found_file.write_text(json.dumps(found, indent=1))
     return found

@@ -52,10 +52,21 @@ def _returncode(outcome: RunResult) -> int | None:
     return json.loads(lines[-1][len(RESULT_PREFIX) :])["returncode"] if lines else None
 
 
+def _what_runs(command: str) -> list[str]:
+    """A recorded command without what does not change the run: the interpreter and launcher before `train.py`
+    (another machine's paths) and the run folder's value (a study folder copied or moved elsewhere)."""
+    words = shlex.split(command)
+    script = next((i for i, word in enumerate(words) if Path(word).name == "train.py"), 0)
+    words = ["train.py", *words[script + 1 :]] if script else words
+    at = words.index("--job.dump_folder") if "--job.dump_folder" in words else -1
+    return words[:at] + words[at + 2 :] if at >= 0 else words
+
+
 def execute(run: Run, run_dir: Path, timeout: float | None = None, force: bool = False,
-            cmd: list[str] | None = None) -> dict:  # fmt: skip
+            cmd: list[str] | None = None, keep: tuple[str, ...] = ("ok",)) -> dict:  # fmt: skip
     """Runs `run` in a fresh process (torchtitan.tools.runs' `launch_command`), unless it is already done: its
-    status.json says "ok" for the same command.
+    status.json says "ok" for the same command, whatever interpreter launched it and wherever its folder was then
+    (a study resumed on another machine, or from the folder its results were committed to).
 
     Args:
         run: the run; its env reaches the process, its knobs status.json.
@@ -63,17 +74,19 @@ def execute(run: Run, run_dir: Path, timeout: float | None = None, force: bool =
         timeout: seconds before it is killed and recorded as "timeout" (None: no limit).
         force: run it again even if its status.json says "ok" for this command.
         cmd: the command (default: `train_command(run, run_dir)`; tests pass others).
+        keep: the recorded outcomes that stand for the same command ("ok"; a batch search's probes keep "OOM" too:
+            running out of memory again would only cost the time).
 
     Returns:
         status.json's content (the earlier one when the run was already done).
     """
     cmd = cmd or train_command(run, run_dir)
-    if already_done(run_dir) and not force:
-        earlier = read_status(run_dir)
-        if earlier.get("command") == shlex.join(cmd):
-            print(f"{run.name}: ok already, skipped (--force reruns)", flush=True)
+    earlier = read_status(run_dir)
+    if earlier.get("status") in keep and not force:
+        if _what_runs(earlier.get("command", "")) == _what_runs(shlex.join(cmd)):
+            print(f"{run.name}: {earlier['status']} already, skipped (--force reruns)", flush=True)
             return earlier
-        print(f"{run.name}: ok earlier with another command, run again", flush=True)  # its results are not this one's
+        print(f"{run.name}: {earlier['status']} earlier with another command, run again", flush=True)  # not this one's
     run_dir.mkdir(parents=True, exist_ok=True)
     # A rerun starts clean: train.py appends to metrics.jsonl, and a failed rerun must not pass off an old breakdown.
     for stale in [run_dir / "metrics.jsonl", *run_dir.glob("memory_breakdown*")]:

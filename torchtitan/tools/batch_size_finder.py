@@ -2,7 +2,9 @@
 
 Each probe runs a few real steps of the trainer in a fresh process (torchtitan.tools.runs), so one OOM cannot
 poison the next probe. The search doubles from the start while probes fit (halves while they do not), then
-bisects between the largest batch that ran and the smallest that ran out of memory: O(log(batch)) probes.
+bisects between the largest batch that ran and the smallest that ran out of memory: O(log(batch)) probes. Where
+the device's memory is known, the probes' measured peaks steer each step towards where memory runs out (a line
+through them, `predicted_max_batch`): two or three probes near the answer instead of a bisection's dozen.
 A probe that fails for any other reason stops the search, since a broken config must not pass for a memory
 limit.
 
@@ -24,16 +26,20 @@ ROOT = Path(__file__).resolve().parents[2]
 # Share of GPU memory the estimate may fill when it alone picks the batch (several ranks): the estimate
 # is within -6%..+11% of measured peaks (docs/memory.md), and the CUDA context and fragmentation come on top.
 ESTIMATE_HEADROOM = 0.9
+# Probes that follow the measured-memory line before doubling and bisection take over: an exact line needs one
+# probe past the first, and one more confirms the boundary; a third covers a step of the allocator's rounding.
+GUIDED_PROBES = 3
 
 
 @dataclass
 class Probe:
-    """One probe's outcome: status "ok", "OOM" or "failed (...)"; peak memory when measured."""
+    """One probe's outcome: status "ok", "OOM" or "failed (...)"; peak active and reserved memory when measured."""
 
     batch: int
     status: str
     peak_memory_gib: float | None = None
     result: dict = field(default_factory=dict)
+    reserved_gib: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -44,15 +50,42 @@ class ProbeFailed(RuntimeError):
     """A probe failed for a reason other than running out of memory."""
 
 
-def find_max_batch_size(probe: Callable[[int], Probe], start: int, limit: int = 4096,
-                        multiple_of: int = 1) -> tuple[int, list[Probe]]:  # fmt: skip
+def predicted_max_batch(probes: list[Probe], memory_gib: float | None, slope_gib: float | None = None) -> float | None:
+    """The batch at which peak memory reaches `memory_gib`, on a line through what the probes that ran measured.
+
+    Peak memory is affine in the batch. The line goes through the smallest and the largest batch that ran, or
+    with one only, through it with `slope_gib` per sample (the analytic estimate's). Each probe counts its reserved
+    memory where it reports it (what runs out is the allocator's reserve, fragmentation included), else its active
+    peak. None without a point, a slope or `memory_gib`.
+    """
+    points = sorted({(p.batch, p.reserved_gib or p.peak_memory_gib) for p in probes
+                     if p.ok and (p.reserved_gib or p.peak_memory_gib)})  # fmt: skip
+    if not memory_gib or not points:
+        return None
+    (b1, m1), (b2, m2) = points[0], points[-1]
+    slope = (m2 - m1) / (b2 - b1) if b2 > b1 else slope_gib
+    if not slope or slope <= 0:
+        return None
+    return b2 + (memory_gib - m2) / slope
+
+
+def find_max_batch_size(probe: Callable[[int], Probe], start: int, limit: int = 4096, multiple_of: int = 1,
+                        predict: Callable[[list[Probe]], float | None] | None = None,
+                        ) -> tuple[int, list[Probe]]:  # fmt: skip
     """Largest batch (a multiple of `multiple_of`, at most `limit`) for which `probe` runs; 0 if none.
+
+    With `predict`, the probes' measured memory guides the search where a probe costs minutes (a 7B model's): the
+    next batch is the predicted largest (`predicted_max_batch`), kept inside what doubling or bisection would
+    bracket. At most GUIDED_PROBES follow the guide, and none after one that ran out of memory (the line overshot):
+    a wrong guide costs a few probes, never the answer, which stays exact: the largest batch that ran, with the
+    next multiple out of memory (or at the limit).
 
     Args:
         probe: runs the training at a batch size and says whether it fitted (injectable for tests).
         start: first batch to try (e.g. the largest whose estimate fits the device).
         limit: never probe above this (on CPU nothing runs out of memory).
         multiple_of: batch granularity (e.g. to keep a global batch divisible).
+        predict: the probes so far -> the predicted largest batch, or None (then doubling and bisection).
 
     Returns:
         (the largest batch that ran, every probe in the order run).
@@ -69,20 +102,35 @@ def find_max_batch_size(probe: Callable[[int], Probe], start: int, limit: int = 
             raise ProbeFailed(f"batch {k * multiple_of}: {outcome.status}")
         return outcome.ok
 
+    guided_left = GUIDED_PROBES if predict is not None else 0
+
+    def step(fit: int, fail: int | None, plain: int) -> tuple[int, int | None]:
+        """One probe: at the guide's predicted largest, inside the bracket, or at `plain`; the new bracket."""
+        nonlocal guided_left
+        guess = predict(history) if guided_left > 0 else None
+        nxt = plain
+        if guess is not None:
+            guided_left -= 1
+            k = int(guess // multiple_of)
+            nxt = min(max(k, fit + 1), 2 * fit, top) if fail is None else min(max(k, fit + 1), fail - 1)
+        if fits(nxt):
+            return nxt, fail
+        if guess is not None:  # the line ran past the device: bisection from here
+            guided_left = 0
+        return fit, nxt
+
     top = limit // multiple_of
     if top < 1:
         return 0, history
     k = min(max(1, start // multiple_of), top)
     fit, fail = (k, None) if fits(k) else (0, k)  # in units of multiple_of; fail = smallest known OOM
     while fail is None and fit < top:  # grow until something runs out of memory
-        nxt = min(2 * fit, top)
-        fit, fail = (nxt, None) if fits(nxt) else (fit, nxt)
+        fit, fail = step(fit, fail, min(2 * fit, top))
     while fit == 0 and fail > 1:  # shrink until something runs
         nxt = fail // 2
         fit, fail = (nxt, fail) if fits(nxt) else (0, nxt)
     while fail is not None and fail - fit > 1:
-        mid = (fit + fail) // 2
-        fit, fail = (mid, fail) if fits(mid) else (fit, mid)
+        fit, fail = step(fit, fail, (fit + fail) // 2)
     return fit * multiple_of, history
 
 
@@ -100,7 +148,8 @@ def benchmark_probe(config: str, train_args: list[str], nproc: int = 1, steps: i
         outcome = launch(Run(f"bs{batch}", args, nproc), warmup, steps)
         print(f"probe batch {batch}: {outcome.status}", flush=True)
         status = outcome.status if outcome.status in ("ok", "OOM") else f"{outcome.status}: {outcome.output[-500:]}"
-        return Probe(batch, status, outcome.result.get("memory_peak_active_gib"), outcome.result)
+        return Probe(batch, status, outcome.result.get("memory_peak_active_gib"), outcome.result,
+                     outcome.result.get("memory_peak_reserved_gib"))  # fmt: skip
 
     return probe
 
@@ -125,6 +174,19 @@ def estimated_max_batch(cfg, world_size: int, memory_bytes: int, limit: int = 1 
     return max_batch_that_fits(memory_bytes, estimate, limit)
 
 
+def estimated_gib_per_sample(cfg, world_size: int, batch: int) -> float:
+    """The analytic estimate's memory per sample (GiB, per rank) between batch // 2 and `batch`: the slope of the
+    line `predicted_max_batch` draws through a single probe."""
+    from torchtitan.tools.memory_estimate import estimate_from_job_config
+
+    cfg = copy.deepcopy(cfg)
+    peaks = []
+    for b in (max(1, batch // 2), max(2, batch)):
+        cfg.training.local_batch_size = b
+        peaks.append(estimate_from_job_config(cfg, world_size).peak)
+    return (peaks[1] - peaks[0]) / (max(2, batch) - max(1, batch // 2)) / 1024**3
+
+
 def estimated_start(config: str, train_args: list[str], nproc: int, memory_bytes: int | None) -> int:
     """The largest batch whose analytic estimate fits `memory_bytes` (1 when no memory size is known)."""
     from torchtitan.config_manager import parse_args
@@ -143,11 +205,17 @@ def find_max_local_batch_size(config: str, train_args: list[str] | None = None, 
     Returns:
         {"batch": the largest batch that ran (0: none), "start", "peak_memory_gib", "probes": [...]}.
     """
+    from torchtitan.config_manager import parse_args
+
     train_args = list(train_args or [])
     memory = int(memory_gib * 1024**3) if memory_gib else device_memory_bytes()
     start = start or estimated_start(config, train_args, nproc, memory)
     probe = probe or benchmark_probe(config, train_args, nproc, steps)
-    best, history = find_max_batch_size(probe, start, limit)
+    predict = None
+    if memory:
+        slope = estimated_gib_per_sample(parse_args(["--job.config_file", config, *train_args]), nproc, start)
+        predict = lambda probes: predicted_max_batch(probes, memory / 1024**3, slope)
+    best, history = find_max_batch_size(probe, start, limit, predict=predict)
     peak = next((p.peak_memory_gib for p in history if p.batch == best and p.ok), None)
     probes = [{"batch": p.batch, "status": p.status, "peak_memory_gib": p.peak_memory_gib} for p in history]
     return {"batch": best, "start": start, "peak_memory_gib": peak, "probes": probes}
