@@ -20,6 +20,7 @@ e.g. dit_0.5B_bs32ps2_actnone_c1bf16p1s1 (one GPU) or dit_7B_bs4ps2_actfull_c1bf
 import argparse
 import re
 import shlex
+import shutil
 import sys
 from pathlib import Path
 
@@ -108,7 +109,11 @@ def autotune(knobs: dict, args, extra: list[str]) -> lib.Run | None:
         probes = ", ".join(f"{p['batch']} {p['status']}" for p in found.get("probes", []))
         bound = "at least " if found.get("lower_bound") else ""
         print(f"{run_name(knobs)}: the largest batch a GPU is {bound}{found['batch']} (probes: {probes})", flush=True)
-        return grid_run({**knobs, "batch": found["batch"]}, args.steps, extra)
+        run = grid_run({**knobs, "batch": found["batch"]}, args.steps, extra)
+        probe_dir, run_dir = folder / run.name, Path(args.output_dir) / run.name
+        if args.steps == args.probe_steps and probe_dir.is_dir() and not run_dir.exists():
+            shutil.copytree(probe_dir, run_dir)  # the probe at the answer is this very run: not trained twice
+        return run
     smallest = grid_run({**knobs, "batch": 1}, args.steps, extra)
     run_dir = Path(args.output_dir) / smallest.name
     if found["batch"] == 0:

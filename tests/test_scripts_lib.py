@@ -160,8 +160,8 @@ def test_find_max_batch_over_recorded_probes(tmp_path, monkeypatch):
 
 def test_a_search_cut_off_resumes_from_its_committed_probes(tmp_path, monkeypatch):
     """A search cut off by a call's time limit resumes in the next call, on another machine, from the folder its
-    probes were committed to: each probe recorded ok is reused, though its command ran another interpreter in
-    another run folder, and only the unfinished probe runs again (the 7B autotune's, 2026-11-28)."""
+    probes were committed to: each probe recorded ok or out of memory is reused, though its command ran another
+    interpreter in another run folder, and only the unfinished probe runs again (the 7B autotune's, 2026-11-28)."""
     fake = tmp_path / "bin" / "train.py"  # launched by path, as the scripts launch train.py from the repo
     fake.parent.mkdir()
     fake.write_text(FAKE_TRAIN.replace("int(sys.argv[1]), sys.argv[2]", "int(sys.argv[3]), sys.argv[2]"))
@@ -186,4 +186,7 @@ def test_a_search_cut_off_resumes_from_its_committed_probes(tmp_path, monkeypatc
         status.write_text(json.dumps(record))
     (moved / "bs5" / "status.json").unlink()  # bs5 was still running when the call ended
     ran.clear()
-    assert find_max_batch(run_at, moved, limit=16) == found and ran == ["bs5"]  # OOM records stand too
+    resumed = find_max_batch(run_at, moved, limit=16)
+    assert ran == ["bs5"]  # the search went on from the bracket its records set (4 ran, 6 out of memory)
+    assert {k: resumed[k] for k in ("batch", "start", "lower_bound")} == {"batch": 5, "start": 1, "lower_bound": False}
+    assert sorted(p["batch"] for p in resumed["probes"]) == sorted(p["batch"] for p in found["probes"])

@@ -11,9 +11,10 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from scripts.lib.runner import execute
+from scripts.lib.runner import execute, read_status, same_command
 from scripts.lib.summary import GIB, warm_metrics
 from torchtitan.tools.batch_size_finder import (
+    ESTIMATE_HEADROOM,
     Probe,
     ProbeFailed,
     estimated_gib_per_sample,
@@ -30,6 +31,24 @@ def device_memory_gib() -> float | None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     total = int(proc.stdout.strip() or 0) if proc.returncode == 0 else 0
     return total / GIB or None
+
+
+def recorded_probes(run_at: Callable[[int], Run], folder: Path) -> tuple[Probe, ...]:
+    """The probes of this search that an earlier call recorded under `folder` (ok or out of memory, for the same
+    command as `run_at` gives now), as the search resumes from them."""
+    found = []
+    for status_file in sorted(Path(folder).glob("*/status.json")):
+        record = read_status(status_file.parent)
+        batch = (record.get("knobs") or {}).get("batch")
+        if record.get("status") not in ("ok", "OOM") or not batch:
+            continue
+        run = run_at(batch)
+        if run.name != status_file.parent.name or not same_command(record, run, status_file.parent):
+            continue
+        measured = warm_metrics(status_file.parent, skip=0)
+        found.append(Probe(batch, record["status"], measured.get("peak_memory_gib"), {**record, **measured},
+                           measured.get("reserved_gib")))  # fmt: skip
+    return tuple(sorted(found, key=lambda p: p.batch))
 
 
 def batch_probe(run_at: Callable[[int], Run], folder: Path, timeout: float | None = None,
@@ -51,9 +70,10 @@ def batch_probe(run_at: Callable[[int], Run], folder: Path, timeout: float | Non
 
 
 def search(probe: Callable[[int], Probe], start: int, limit: int, multiple_of: int = 1,
-           predict: Callable[[list[Probe]], float | None] | None = None) -> dict:  # fmt: skip
-    """The finder's answer from `start`, at most `limit`, in multiples of `multiple_of`, steered by `predict` where
-    given (`find_max_batch_size`).
+           predict: Callable[[list[Probe]], float | None] | None = None,
+           known: tuple[Probe, ...] = ()) -> dict:  # fmt: skip
+    """The finder's answer from `start`, at most `limit`, in multiples of `multiple_of`, steered by `predict` and
+    resumed from the `known` probes where given (`find_max_batch_size`).
 
     Returns:
         batch (the largest that ran, 0: none; None when a probe failed otherwise, `error` says how), start,
@@ -61,7 +81,7 @@ def search(probe: Callable[[int], Probe], start: int, limit: int, multiple_of: i
         peak_memory_gib of that batch's probe, and every probe (batch, status, peak memory) in the order run.
     """
     try:
-        best, history = find_max_batch_size(probe, start, limit, multiple_of, predict)
+        best, history = find_max_batch_size(probe, start, limit, multiple_of, predict, known)
     except ProbeFailed as e:  # a broken run must not pass for a memory limit
         return {"batch": None, "start": start, "error": str(e)}
     oom_above = any(p.status == "OOM" and p.batch > best for p in history)
@@ -88,7 +108,7 @@ def memory_guide(run: Run, memory_gib: float | None, start: int) -> Callable[[li
     if not memory_gib:
         return None
     slope = estimated_gib_per_sample(parse_args(run.args), run.nproc, start)
-    return lambda probes: predicted_max_batch(probes, memory_gib, slope)
+    return lambda probes: predicted_max_batch(probes, ESTIMATE_HEADROOM * memory_gib, slope)
 
 
 def find_max_batch(run_at: Callable[[int], Run], folder: Path, limit: int, timeout: float | None = None,
@@ -115,7 +135,8 @@ def find_max_batch(run_at: Callable[[int], Run], folder: Path, limit: int, timeo
     except ValueError as e:  # ConfigError: the run could not start either
         found = {"batch": None, "start": None, "error": str(e)}
     else:
-        found = search(batch_probe(run_at, folder, timeout, force), start, limit, predict=guide)
+        known = () if force else recorded_probes(run_at, folder)
+        found = search(batch_probe(run_at, folder, timeout, force), start, limit, predict=guide, known=known)
     found_file.parent.mkdir(parents=True, exist_ok=True)
     found_file.write_text(json.dumps(found, indent=1))
     return found

@@ -62,6 +62,12 @@ def _what_runs(command: str) -> list[str]:
     return words[:at] + words[at + 2 :] if at >= 0 else words
 
 
+def same_command(record: dict, run: Run, run_dir: Path, cmd: list[str] | None = None) -> bool:
+    """Whether a recorded status.json ran what `run` runs now (`_what_runs`: whatever interpreter and folder)."""
+    cmd = cmd or train_command(run, run_dir)
+    return _what_runs(record.get("command", "")) == _what_runs(shlex.join(cmd))
+
+
 def execute(run: Run, run_dir: Path, timeout: float | None = None, force: bool = False,
             cmd: list[str] | None = None, keep: tuple[str, ...] = ("ok",)) -> dict:  # fmt: skip
     """Runs `run` in a fresh process (torchtitan.tools.runs' `launch_command`), unless it is already done: its
@@ -83,7 +89,7 @@ def execute(run: Run, run_dir: Path, timeout: float | None = None, force: bool =
     cmd = cmd or train_command(run, run_dir)
     earlier = read_status(run_dir)
     if earlier.get("status") in keep and not force:
-        if _what_runs(earlier.get("command", "")) == _what_runs(shlex.join(cmd)):
+        if same_command(earlier, run, run_dir, cmd):
             print(f"{run.name}: {earlier['status']} already, skipped (--force reruns)", flush=True)
             return earlier
         print(f"{run.name}: {earlier['status']} earlier with another command, run again", flush=True)  # not this one's

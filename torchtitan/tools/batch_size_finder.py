@@ -24,7 +24,9 @@ from torchtitan.tools.runs import Run, launch
 
 ROOT = Path(__file__).resolve().parents[2]
 # Share of GPU memory the estimate may fill when it alone picks the batch (several ranks): the estimate
-# is within -6%..+11% of measured peaks (docs/memory.md), and the CUDA context and fragmentation come on top.
+# is within -6%..+11% of measured peaks (docs/memory.md), and the CUDA context and fragmentation come on top. The
+# finder's line aims the measured active peaks at it too: the 7B on 4 H200s ran at 227 a GPU with 125.8 GiB active
+# (0.90 of 139.8) and ran out of memory at 236 (2026-11-28).
 ESTIMATE_HEADROOM = 0.9
 # Probes that follow the measured-memory line before doubling and bisection take over: an exact line needs one
 # probe past the first, and one more confirms the boundary; a third covers a step of the allocator's rounding.
@@ -51,15 +53,15 @@ class ProbeFailed(RuntimeError):
 
 
 def predicted_max_batch(probes: list[Probe], memory_gib: float | None, slope_gib: float | None = None) -> float | None:
-    """The batch at which peak memory reaches `memory_gib`, on a line through what the probes that ran measured.
+    """The batch at which the active peak reaches `memory_gib`, on a line through what the probes that ran measured.
 
     Peak memory is affine in the batch. The line goes through the smallest and the largest batch that ran, or
-    with one only, through it with `slope_gib` per sample (the analytic estimate's). Each probe counts its reserved
-    memory where it reports it (what runs out is the allocator's reserve, fragmentation included), else its active
-    peak. None without a point, a slope or `memory_gib`.
+    with one only, through it with `slope_gib` per sample (the analytic estimate's). Active memory, not reserved:
+    the allocator's reserve grows to fill the device whatever the batch (138.0-138.2 GiB of 139.8 for the 7B at
+    214, 218 and 227 a GPU, 2026-11-28), so only the active peak tells how much a batch needs. None without a
+    point, a slope or `memory_gib`.
     """
-    points = sorted({(p.batch, p.reserved_gib or p.peak_memory_gib) for p in probes
-                     if p.ok and (p.reserved_gib or p.peak_memory_gib)})  # fmt: skip
+    points = sorted({(p.batch, p.peak_memory_gib) for p in probes if p.ok and p.peak_memory_gib})
     if not memory_gib or not points:
         return None
     (b1, m1), (b2, m2) = points[0], points[-1]
@@ -70,7 +72,7 @@ def predicted_max_batch(probes: list[Probe], memory_gib: float | None, slope_gib
 
 
 def find_max_batch_size(probe: Callable[[int], Probe], start: int, limit: int = 4096, multiple_of: int = 1,
-                        predict: Callable[[list[Probe]], float | None] | None = None,
+                        predict: Callable[[list[Probe]], float | None] | None = None, known: tuple[Probe, ...] = (),
                         ) -> tuple[int, list[Probe]]:  # fmt: skip
     """Largest batch (a multiple of `multiple_of`, at most `limit`) for which `probe` runs; 0 if none.
 
@@ -86,6 +88,9 @@ def find_max_batch_size(probe: Callable[[int], Probe], start: int, limit: int = 
         limit: never probe above this (on CPU nothing runs out of memory).
         multiple_of: batch granularity (e.g. to keep a global batch divisible).
         predict: the probes so far -> the predicted largest batch, or None (then doubling and bisection).
+        known: probes recorded earlier (a search cut off and resumed): the search starts from the bracket they
+            establish, the largest that ran and the smallest above it that ran out of memory, and they count in
+            the history and in `predict`'s line.
 
     Returns:
         (the largest batch that ran, every probe in the order run).
@@ -93,7 +98,7 @@ def find_max_batch_size(probe: Callable[[int], Probe], start: int, limit: int = 
     Raises:
         ProbeFailed: a probe failed without running out of memory.
     """
-    history: list[Probe] = []
+    history: list[Probe] = list(known)
 
     def fits(k: int) -> bool:
         outcome = probe(k * multiple_of)
@@ -122,8 +127,14 @@ def find_max_batch_size(probe: Callable[[int], Probe], start: int, limit: int = 
     top = limit // multiple_of
     if top < 1:
         return 0, history
-    k = min(max(1, start // multiple_of), top)
-    fit, fail = (k, None) if fits(k) else (0, k)  # in units of multiple_of; fail = smallest known OOM
+    ran = [p.batch // multiple_of for p in known if p.ok and p.batch % multiple_of == 0 and p.batch <= limit]
+    if ran:  # resumed: from the recorded bracket
+        fit = max(ran)
+        fail = min((p.batch // multiple_of for p in known if p.status == "OOM" and p.batch > fit * multiple_of),
+                   default=None)  # fmt: skip
+    else:
+        k = min(max(1, start // multiple_of), top)
+        fit, fail = (k, None) if fits(k) else (0, k)  # in units of multiple_of; fail = smallest known OOM
     while fail is None and fit < top:  # grow until something runs out of memory
         fit, fail = step(fit, fail, min(2 * fit, top))
     while fit == 0 and fail > 1:  # shrink until something runs
@@ -214,7 +225,7 @@ def find_max_local_batch_size(config: str, train_args: list[str] | None = None, 
     predict = None
     if memory:
         slope = estimated_gib_per_sample(parse_args(["--job.config_file", config, *train_args]), nproc, start)
-        predict = lambda probes: predicted_max_batch(probes, memory / 1024**3, slope)
+        predict = lambda probes: predicted_max_batch(probes, ESTIMATE_HEADROOM * memory / 1024**3, slope)
     best, history = find_max_batch_size(probe, start, limit, predict=predict)
     peak = next((p.peak_memory_gib for p in history if p.batch == best and p.ok), None)
     probes = [{"batch": p.batch, "status": p.status, "peak_memory_gib": p.peak_memory_gib} for p in history]
