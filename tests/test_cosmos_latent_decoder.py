@@ -392,3 +392,22 @@ def test_cli_checks_the_tokenizer_by_its_decoder_hash_whatever_its_folder(tmp_pa
                                  f"{found[:16]}... but the latents' tokenizer {recorded[:16]}...{extra}. ")  # fmt: skip
     code, err = decode(other_weights, "--allow-tokenizer-mismatch")
     assert code == 0 and out.is_file() and "(allowed: latent.allow_tokenizer_mismatch)" in err[-1]
+
+
+def test_an_allowed_tokenizer_mismatch_is_said_once(tmp_path, capsys):
+    """sample.py checks the tokenizer before sampling and again as it decodes: the warning came twice (and once a
+    batch more under --npz)."""
+    from torchtitan.tools.logging import init_logger
+
+    make_jit_tokenizer(tmp_path / "tok")
+    make_jit_tokenizer(tmp_path / "other", seed=1)
+    cfg = JobConfig()
+    cfg.latent.tokenizer, cfg.latent.checkpoint_dir = "cosmos_jit", str(tmp_path / "other")
+    cfg.latent.allow_tokenizer_mismatch = True
+    sha256 = decoder_sha256("cosmos_jit", tmp_path / "tok")
+    cfg.training.dataset_path = str(write_meta(tmp_path / "prepared", "tok", sha256=sha256))
+    init_logger()
+    cld.load_training_decoder(cfg, "cpu")  # as sample.py's Sampler does before sampling
+    for _ in range(2):  # then each batch
+        cld.decode_for_training(cfg, torch.zeros(2, 16, 4, 4))
+    assert capsys.readouterr().err.count("(allowed: latent.allow_tokenizer_mismatch)") == 1

@@ -112,6 +112,7 @@ def test_interrupted_preparation_resumes_then_trains_and_decodes(tmp_path, capsy
     assert f"downsample: the tokenizer in '{ci16}' has 8 but the latents 4" in err and not (tmp_path / "x.png").exists()
     assert sample.main(["--checkpoint", str(run), "--num-samples", "2", "--steps", "2", "--tokenizer-dir", str(ci16),
                         "--out", str(tmp_path / "x.png"), "--allow-tokenizer-mismatch"]) == 0  # fmt: skip
+    assert capsys.readouterr().err.count("(allowed: latent.allow_tokenizer_mismatch)") == 1  # said once, not twice
     assert Image.open(tmp_path / "x.png").size == (2 + 2 * 66, 2 + 66)  # 32 px tiles, as asked (64 px shown)
 
 
@@ -300,3 +301,16 @@ def test_prepare_script_errors_are_one_line_naming_the_fault(tmp_path, capsys):
         err = capsys.readouterr().err
         last = err.splitlines()[-1]  # after the log lines, if any
         assert last.startswith("error: ") and message in last and "Traceback" not in err, err
+
+
+def test_a_corrupt_meta_json_is_named_with_the_remedy(prepared):
+    text = (prepared / "meta.json").read_text()
+    (prepared / "meta.json").write_text(text[: len(text) // 2])  # a disk filled up while it was written
+    with pytest.raises(ValueError) as info:
+        LatentShardDataset(prepared)
+    assert str(info.value).startswith(f"{prepared / 'meta.json'} cannot be read (not JSON: ")
+    assert str(info.value).endswith("): it is damaged; run prepare.py again with the same options: it rewrites "
+                                    "meta.json from the finished shards")  # fmt: skip
+    (prepared / "meta.json").write_text("[]")
+    with pytest.raises(ValueError, match=rf"{prepared / 'meta.json'} cannot be read \(a list, not a JSON object\)"):
+        read_meta(prepared)

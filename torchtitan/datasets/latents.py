@@ -93,7 +93,8 @@ class LatentNormalization:
 
 
 def read_meta(path: str | Path) -> dict:
-    """The prepared folder's meta.json; raises naming the folder when it is missing or unfinished."""
+    """The prepared folder's meta.json; raises naming the folder when it is missing or unfinished, and the file
+    when it is damaged."""
     root = Path(path)
     if not root.is_dir():
         raise FileNotFoundError(f"training.dataset_path: latent folder {root} does not exist")
@@ -105,7 +106,14 @@ def read_meta(path: str | Path) -> dict:
                                     "and no meta.json; prepare it with data/<dataset>/prepare.py")  # fmt: skip
         raise FileNotFoundError(f"training.dataset_path: {root} has {len(shards)} shard(s) but no {META_FILE}: "
                                 "its preparation did not finish; run prepare.py again, it resumes")  # fmt: skip
-    meta = json.loads(meta_file.read_text())
+    try:
+        meta = json.loads(meta_file.read_text())
+        problem = "" if isinstance(meta, dict) else f"a {type(meta).__name__}, not a JSON object"
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        problem = f"not JSON: {e}"
+    if problem:
+        raise ValueError(f"{meta_file} cannot be read ({problem}): it is damaged; run prepare.py again with the same "
+                         f"options: it rewrites {META_FILE} from the finished shards")  # fmt: skip
     if meta.get("format") != FORMAT:
         raise ValueError(f"{meta_file}: format {meta.get('format')!r}, expected {FORMAT!r}")
     return meta
@@ -201,7 +209,9 @@ def check_tokenizer_matches(meta: dict, latent_config, tokenizer=None, source: s
                 problems.append(f"{key}: the tokenizer in {checkpoint_dir!r} has {value} but the latents {stored[key]}")
     if not problems:
         if tokenizer is not None and not recorded:
-            _warn_unhashed(where, checkpoint_dir)
+            _warn_once(f"{where} records no decoder hash (prepared before TorchDiTan recorded one, or without the "
+                       f"decoder file): the tokenizer {checkpoint_dir!r} was checked by kind, latent channels and "
+                       "downsample only; other weights of the same shape would decode wrongly")  # fmt: skip
         return
     unhashed = "" if recorded else " (it records no decoder hash: kind, channels and downsample were compared)"
     message = (f"{where}: the [latent] tokenizer is not the one these latents were encoded with "
@@ -210,17 +220,16 @@ def check_tokenizer_matches(meta: dict, latent_config, tokenizer=None, source: s
                "again with this one, or set latent.allow_tokenizer_mismatch (--allow-tokenizer-mismatch in sample.py "
                "and cosmos_latent_decoder.py) to decode with it anyway")  # fmt: skip
     if getattr(latent_config, "allow_tokenizer_mismatch", False):
-        logger.warning(f"{message} (allowed: latent.allow_tokenizer_mismatch)")
+        _warn_once(f"{message} (allowed: latent.allow_tokenizer_mismatch)")
         return
     raise ValueError(message)
 
 
-@functools.lru_cache(maxsize=8)
-def _warn_unhashed(where: Path, checkpoint_dir: str) -> None:
-    # Once per pair: a training run checks at its start and again when it first decodes.
-    logger.warning(f"{where} records no decoder hash (prepared before TorchDiTan recorded one, or without the "
-                   f"decoder file): the tokenizer {checkpoint_dir!r} was checked by kind, latent channels and "
-                   "downsample only; other weights of the same shape would decode wrongly")  # fmt: skip
+@functools.lru_cache(maxsize=32)
+def _warn_once(message: str) -> None:
+    # A run checks the tokenizer at its start and again as it decodes (sample.py before sampling and at each batch):
+    # one warning says it.
+    logger.warning(message)
 
 
 def combine_moments(parts: list[tuple[float, torch.Tensor, torch.Tensor]]) -> tuple[float, torch.Tensor, torch.Tensor]:
