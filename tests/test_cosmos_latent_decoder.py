@@ -175,36 +175,116 @@ def test_diffusers_autoencoder_kl_uses_the_mode(tmp_path):
     assert decoder_sha256("diffusers", tmp_path / "vae") is not None
 
 
-def test_cli_decodes_raw_and_normalized_latent_files(tmp_path, capsys):
+def png(path: Path) -> np.ndarray:
+    return np.asarray(Image.open(path)).astype(int)
+
+
+def decoded_grid(decoder: nn.Module, raw: torch.Tensor, path: Path) -> np.ndarray:
+    """The grid the decoder CLI must write for these raw latents: the tokenizer's own decode."""
+    with torch.no_grad():
+        return png(save_image_grid(decoder(raw).clamp(-1, 1), path))
+
+
+def test_cli_asks_how_an_unrecorded_file_is_normalized(tmp_path, capsys):
+    """A file that records nothing (written by other code) was taken as raw; --allow-tokenizer-mismatch, the
+    remedy the error offered, then decoded a run's normalized samples as raw. The user must say which they are."""
     _, decoder = make_jit_tokenizer(tmp_path / "tok")
     z = torch.randn(6, 16, 4, 4)
-    with torch.no_grad():
-        expected = save_image_grid(decoder(z).clamp(-1, 1), tmp_path / "expected.png")
+    want = decoded_grid(decoder, z, tmp_path / "expected.png")
     from safetensors.torch import save_file
 
     save_file({"latents": z}, str(tmp_path / "raw.safetensors"))
     torch.save(z * 0.5, tmp_path / "scaled.pt")  # model-space latents with scale factor 0.5
-    args = ["--checkpoint-dir", str(tmp_path / "tok"), "--kind", "cosmos_jit"]
+    args = ["--checkpoint-dir", str(tmp_path / "tok"), "--kind", "cosmos_jit", "--out", str(tmp_path / "a.png")]
+    unrecorded = (f"error: --latents {tmp_path / 'raw.safetensors'} does not record how its latents are normalized "
+                  "(a file of other code, or of TorchDiTan before its files recorded it): say it with --raw (raw "
+                  "tokenizer latents, as a prepared shard holds), --stats PREPARED_FOLDER (a latent DiT's samples, "
+                  "normalized with the meta.json of the folder it trained on: its training.dataset_path) or "
+                  "--scale-factor S (latents scaled by S)")  # fmt: skip
+    for flags in ((), ("--allow-tokenizer-mismatch",)):
+        assert cld.main([*args, "--latents", str(tmp_path / "raw.safetensors"), *flags]) == 2
+        assert capsys.readouterr().err.splitlines() == [unrecorded]
+    assert cld.main([*args, "--latents", str(tmp_path / "raw.safetensors"), "--raw", "--scale-factor", "2"]) == 2
+    assert capsys.readouterr().err.splitlines() == ["error: --raw and --scale-factor: give one of --raw, --stats, "
+                                                    "--scale-factor"]  # fmt: skip
     # No meta.json beside the files records their tokenizer: refused, unless the user takes it on.
-    assert cld.main([*args, "--latents", str(tmp_path / "raw.safetensors"), "--out", str(tmp_path / "a.png")]) == 2
-    err = capsys.readouterr().err
-    assert err.splitlines() == [f"error: --latents {tmp_path / 'raw.safetensors'}: no meta.json beside it records the "
-                                f"tokenizer that encoded these latents, so --checkpoint-dir {tmp_path / 'tok'} cannot "
-                                "be checked against it: give --stats PREPARED_FOLDER, or --allow-tokenizer-mismatch "
-                                "to decode unchecked"]  # fmt: skip
+    assert cld.main([*args, "--latents", str(tmp_path / "raw.safetensors"), "--raw"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: --latents {tmp_path / 'raw.safetensors'}: neither it nor a meta.json beside it records the tokenizer "
+        f"that encoded these latents, so --checkpoint-dir {tmp_path / 'tok'} cannot be checked against it: give "
+        "--allow-tokenizer-mismatch to decode unchecked"]  # fmt: skip
     assert not (tmp_path / "a.png").exists()
     args.append("--allow-tokenizer-mismatch")
-    assert cld.main([*args, "--latents", str(tmp_path / "raw.safetensors"), "--out", str(tmp_path / "a.png")]) == 0
+    assert cld.main([*args, "--latents", str(tmp_path / "raw.safetensors"), "--raw"]) == 0
     assert "the tokenizer is not checked" in capsys.readouterr().err
-    assert cld.main([*args, "--latents", str(tmp_path / "scaled.pt"), "--scale-factor", "0.5",
-                     "--out", str(tmp_path / "b.png")]) == 0  # fmt: skip
-    want = np.asarray(Image.open(expected))
-    for name in ("a.png", "b.png"):
-        got = Image.open(tmp_path / name)
-        assert got.mode == "RGB"
-        assert np.abs(np.asarray(got).astype(int) - want).max() <= 1
-    assert cld.main([*args, "--latents", str(tmp_path / "missing.pt")]) == 2
+    assert np.abs(png(tmp_path / "a.png") - want).max() <= 1  # 1/255: the grid's rounding
+    assert Image.open(tmp_path / "a.png").mode == "RGB"
+    assert cld.main([*args, "--latents", str(tmp_path / "scaled.pt"), "--scale-factor", "0.5"]) == 0
+    assert np.abs(png(tmp_path / "a.png") - want).max() <= 1
+    assert cld.main([*args, "--latents", str(tmp_path / "missing.pt"), "--raw"]) == 2
     assert "missing.pt does not exist" in capsys.readouterr().err
+
+
+def test_cli_decodes_shards_and_run_samples_by_what_each_file_records(tmp_path, capsys):
+    """Both remedies the decoder's error offered gave wrong images: `--stats PREPARED_FOLDER` un-normalized a shard's
+    raw latents a second time (69.6/255 mean error), `--allow-tokenizer-mismatch` decoded a run's normalized samples
+    as raw (23.5/255). Shards and a run's saved samples record their normalization and tokenizer, and the decoder
+    follows the file, whatever flag is given. Tolerance: 1/255 per pixel (the grid's rounding to uint8)."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from torchtitan.components.sampling import SampleWriter
+    from torchtitan.datasets.latents import read_meta
+    from torchtitan.datasets.prepare_latents import prepare_latents
+    from torchtitan.models.dit import DiTArgs
+
+    _, decoder = make_jit_tokenizer(tmp_path / "tok")
+    _, other_decoder = make_jit_tokenizer(tmp_path / "other", seed=1)  # the same shapes, other weights
+    torch.manual_seed(0)
+    images = [(torch.rand(3, 16, 16) * 2 - 1, i % 2) for i in range(6)]
+    prepared = tmp_path / "prepared"
+    assert prepare_latents(images, prepared, cld.load_tokenizer("cosmos_jit", tmp_path / "tok"), image_size=16,
+                           num_classes=2, shard_size=3, batch_size=3)  # fmt: skip
+    (tmp_path / "copy").mkdir()
+    shard = Path(shutil.copy(prepared / "shard-00000.safetensors", tmp_path / "copy"))  # no meta.json beside it
+    out = tmp_path / "grid.png"
+
+    def decode(latents: Path, tokenizer: Path, *flags: str) -> tuple[int, list[str]]:
+        out.unlink(missing_ok=True)
+        code = cld.main(["--checkpoint-dir", str(tokenizer), "--latents", str(latents), "--out", str(out), *flags])
+        return code, capsys.readouterr().err.splitlines()
+
+    want = decoded_grid(decoder, load_file(str(shard))["latents"][:, 0].float(), tmp_path / "want_shard.png")
+    assert decode(shard, tmp_path / "tok")[0] == 0 and np.abs(png(out) - want).max() <= 1
+    for flags in (("--stats", str(prepared)), ("--scale-factor", "0.5"), ("--raw",)):
+        code, err = decode(shard, tmp_path / "tok", *flags)
+        assert (code, err[-1]) == (2, f"error: --latents {shard} records raw tokenizer latents: {flags[0]} says how "
+                                      "a file that records nothing is normalized; drop it")  # fmt: skip
+        assert not out.exists()
+
+    # A latent run without a tokenizer saves its samples as model-space latents (samples/step-N.safetensors).
+    cfg = JobConfig()
+    cfg.training.dataset, cfg.training.dataset_path = "latents", str(prepared)
+    model_args = DiTArgs(input_size=4, in_channels=16, patch_size=2, num_classes=2)
+    writer = SampleWriter(cfg, model_args, None, torch.device("cpu"), 0, tmp_path / "run", None)
+    samples = torch.randn(4, 16, 4, 4)
+    writer._save(samples, torch.tensor([0, 1, 0, 1]), 3)
+    sampled = tmp_path / "run" / "samples" / "step-3.safetensors"
+    stats = read_meta(prepared)["normalization"]
+    raw = samples * torch.tensor(stats["std"]).view(-1, 1, 1) + torch.tensor(stats["mean"]).view(-1, 1, 1)
+    want = decoded_grid(decoder, raw, tmp_path / "want_samples.png")
+    for flags in ((), ("--allow-tokenizer-mismatch",)):
+        assert decode(sampled, tmp_path / "tok", *flags)[0] == 0 and np.abs(png(out) - want).max() <= 1
+    code, err = decode(sampled, tmp_path / "other")
+    assert code == 2 and err[-1].startswith(f"error: {sampled}: the [latent] tokenizer is not the one these latents "
+                                            "were encoded with (cosmos_jit:tok (16 channels, downsample 4")  # fmt: skip
+    # Decoding with another tokenizer on purpose still un-normalizes as the file says.
+    assert decode(sampled, tmp_path / "other", "--allow-tokenizer-mismatch")[0] == 0
+    assert np.abs(png(out) - decoded_grid(other_decoder, raw, tmp_path / "want_other.png")).max() <= 1
+    code, err = decode(sampled, tmp_path / "tok", "--raw")
+    assert (code, err[-1]) == (2, f"error: --latents {sampled} records latents normalized per channel, (z - mean) / "
+                                  "std: --raw says how a file that records nothing is normalized; drop it")  # fmt: skip
 
 
 def test_decode_for_training_undoes_the_scale_factor(tmp_path):
@@ -371,7 +451,7 @@ def test_cli_checks_the_tokenizer_by_its_decoder_hash_whatever_its_folder(tmp_pa
 
     def decode(folder: Path, *flags: str) -> tuple[int, list[str]]:
         code = cld.main(["--checkpoint-dir", str(folder), "--latents", str(prepared / "z.pt"), "--out", str(out),
-                         *flags])  # fmt: skip
+                         "--raw", *flags])  # fmt: skip
         return code, capsys.readouterr().err.splitlines()
 
     shutil.copytree(tmp_path / "tok", tmp_path / "renamed")  # the same weights under another name
@@ -392,3 +472,22 @@ def test_cli_checks_the_tokenizer_by_its_decoder_hash_whatever_its_folder(tmp_pa
                                  f"{found[:16]}... but the latents' tokenizer {recorded[:16]}...{extra}. ")  # fmt: skip
     code, err = decode(other_weights, "--allow-tokenizer-mismatch")
     assert code == 0 and out.is_file() and "(allowed: latent.allow_tokenizer_mismatch)" in err[-1]
+
+
+def test_an_allowed_tokenizer_mismatch_is_said_once(tmp_path, capsys):
+    """sample.py checks the tokenizer before sampling and again as it decodes: the warning came twice (and once a
+    batch more under --npz)."""
+    from torchtitan.tools.logging import init_logger
+
+    make_jit_tokenizer(tmp_path / "tok")
+    make_jit_tokenizer(tmp_path / "other", seed=1)
+    cfg = JobConfig()
+    cfg.latent.tokenizer, cfg.latent.checkpoint_dir = "cosmos_jit", str(tmp_path / "other")
+    cfg.latent.allow_tokenizer_mismatch = True
+    sha256 = decoder_sha256("cosmos_jit", tmp_path / "tok")
+    cfg.training.dataset_path = str(write_meta(tmp_path / "prepared", "tok", sha256=sha256))
+    init_logger()
+    cld.load_training_decoder(cfg, "cpu")  # as sample.py's Sampler does before sampling
+    for _ in range(2):  # then each batch
+        cld.decode_for_training(cfg, torch.zeros(2, 16, 4, 4))
+    assert capsys.readouterr().err.count("(allowed: latent.allow_tokenizer_mismatch)") == 1

@@ -23,6 +23,7 @@ from torchtitan.datasets.latents import (
     LatentNormalization,
     LatentShardDataset,
     combine_moments,
+    decoder_sha256,
     moments_std,
     read_meta,
 )
@@ -47,8 +48,7 @@ def prepare_folder(images: Path, tokenizer_dir: Path, out: Path, kind: str = "co
     tokenizer = load_tokenizer(kind, tokenizer_dir)
     source = ImageFolderDataset(str(images), 16, random_flip=False)
     return prepare_latents(source, out, tokenizer, image_size=16, num_classes=source.num_classes,
-                           classes=source.classes, shard_size=5, batch_size=4, checkpoint_dir=tokenizer_dir,
-                           **kwargs)  # fmt: skip
+                           classes=source.classes, shard_size=5, batch_size=4, **kwargs)  # fmt: skip
 
 
 def torchrun_prepare(args: list[str], nproc: int = 2) -> subprocess.CompletedProcess:
@@ -112,6 +112,7 @@ def test_interrupted_preparation_resumes_then_trains_and_decodes(tmp_path, capsy
     assert f"downsample: the tokenizer in '{ci16}' has 8 but the latents 4" in err and not (tmp_path / "x.png").exists()
     assert sample.main(["--checkpoint", str(run), "--num-samples", "2", "--steps", "2", "--tokenizer-dir", str(ci16),
                         "--out", str(tmp_path / "x.png"), "--allow-tokenizer-mismatch"]) == 0  # fmt: skip
+    assert capsys.readouterr().err.count("(allowed: latent.allow_tokenizer_mismatch)") == 1  # said once, not twice
     assert Image.open(tmp_path / "x.png").size == (2 + 2 * 66, 2 + 66)  # 32 px tiles, as asked (64 px shown)
 
 
@@ -300,3 +301,148 @@ def test_prepare_script_errors_are_one_line_naming_the_fault(tmp_path, capsys):
         err = capsys.readouterr().err
         last = err.splitlines()[-1]  # after the log lines, if any
         assert last.startswith("error: ") and message in last and "Traceback" not in err, err
+
+
+def sha256_of(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def as_written_before_hashes(folder: Path) -> None:
+    """Rewrites a prepared folder as TorchDiTan wrote it before shards recorded hashes and normalization: shard
+    metadata of format 1 without them, and a meta.json of format 1."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    old_keys = ("tokenizer_kind", "tokenizer_name", "latent_channels", "downsample", "image_size", "shard_index",
+                "num_shards", "shard_size", "flip")  # fmt: skip
+    for shard in folder.glob("shard-*.safetensors"):
+        with safe_open(str(shard), "pt") as f:
+            metadata = f.metadata()
+        old = {"format": "torchditan-latents/1", **{key: metadata[key] for key in old_keys}}
+        save_file(load_file(str(shard)), str(shard), metadata=old)
+    if (folder / "meta.json").is_file():
+        meta = json.loads((folder / "meta.json").read_text())
+        meta["format"] = "torchditan-latents/1"
+        del meta["tokenizer"]["encoder_sha256"]
+        (folder / "meta.json").write_text(json.dumps(meta))
+
+
+def test_shards_record_the_tokenizer_hash_and_resume_compares_it(tmp_path):
+    """Resuming with other weights in a folder of the same name mixed two tokenizers in one latent folder (shards
+    recorded the folder's name); a renamed copy of the same weights was refused. Both compare hashes now."""
+    images = make_image_folder(tmp_path / "images")
+    make_jit_tokenizer(tmp_path / "a" / "tok")
+    make_jit_tokenizer(tmp_path / "b" / "tok", seed=1)  # other weights, the same folder name and shapes
+    shutil.copytree(tmp_path / "a" / "tok", tmp_path / "renamed")
+    out = tmp_path / "prepared"
+    assert not prepare_folder(images, tmp_path / "a" / "tok", out, max_shards=1)  # stopped: 1 of 3 shards
+    encoder_a, decoder_a = (sha256_of(tmp_path / "a" / "tok" / f"{part}.jit") for part in ("encoder", "decoder"))
+    encoder_b = sha256_of(tmp_path / "b" / "tok" / "encoder.jit")
+    with pytest.raises(ValueError) as info:
+        prepare_folder(images, tmp_path / "b" / "tok", out)
+    assert str(info.value) == (
+        f"{out / 'shard-00000.safetensors'} was encoded by tokenizer cosmos_jit:tok (16 channels, downsample 4, "
+        f"encoder sha256 {encoder_a[:16]}...), this run uses cosmos_jit:tok (16 channels, downsample 4, encoder "
+        f"sha256 {encoder_b[:16]}...): use another --out folder")  # fmt: skip
+    assert sorted(p.name for p in out.iterdir()) == ["shard-00000.safetensors"]  # nothing mixed in
+    assert prepare_folder(images, tmp_path / "renamed", out)  # the same weights under another name resume
+    # prepare_latents hashes the loaded tokenizer's own folder (it was given none: it recorded no hash before).
+    recorded = read_meta(out)["tokenizer"]
+    assert (recorded["encoder_sha256"], recorded["decoder_sha256"]) == (encoder_a, decoder_a)
+
+    # Training refuses a shard of other weights whose folder had the same name.
+    assert prepare_folder(images, tmp_path / "b" / "tok", tmp_path / "prepared_b")
+    shutil.copy(tmp_path / "prepared_b" / "shard-00001.safetensors", out / "shard-00001.safetensors")
+    with pytest.raises(ValueError) as info:
+        LatentShardDataset(out)
+    assert str(info.value) == (
+        f"latent shard {out / 'shard-00001.safetensors'} was encoded by tokenizer cosmos_jit:tok (16 channels, "
+        f"downsample 4, encoder sha256 {encoder_b[:16]}...) but {out / 'meta.json'} (and its other shards) by "
+        f"cosmos_jit:renamed (16 channels, downsample 4, encoder sha256 {encoder_a[:16]}...): shards of different "
+        "tokenizers cannot be mixed; prepare them into separate folders")  # fmt: skip
+
+    # A folder written before shards recorded hashes is still read (checked by name, as it was written); resuming
+    # one cannot be checked, and is refused by name with the remedy.
+    old = tmp_path / "prepared_b"
+    as_written_before_hashes(old)
+    assert len(LatentShardDataset(old)) == 12
+    # Its shards are raw latents, though they do not say so: decoded as such, and checked by the meta.json beside.
+    import cosmos_latent_decoder
+
+    decode = ["--checkpoint-dir", str(tmp_path / "b" / "tok"), "--latents", str(old / "shard-00001.safetensors"),
+              "--out", str(tmp_path / "grid.png")]  # fmt: skip
+    assert cosmos_latent_decoder.main(decode) == 0
+    assert cosmos_latent_decoder.main([*decode, "--stats", str(old)]) == 2  # would un-normalize raw latents
+    assert cosmos_latent_decoder.main([*decode[:1], str(tmp_path / "a" / "tok"), *decode[2:]]) == 2  # other weights
+    (old / "meta.json").unlink()
+    (old / "shard-00002.safetensors").unlink()
+    with pytest.raises(ValueError, match=r"shard-00000.safetensors was written before TorchDiTan recorded the "
+                       r"tokenizer's hash in each shard: whether cosmos_jit:tok .* encoded it cannot be checked; "
+                       r"encode into another --out folder"):  # fmt: skip
+        prepare_folder(images, tmp_path / "b" / "tok", old)
+
+
+def test_diffusers_hash_covers_the_network_not_the_bookkeeping(tmp_path):
+    """sd-vae-ft-ema re-saved with save_pretrained was refused as another tokenizer: its config.json gains
+    `_name_or_path`, the `_diffusers_version` of the day, and every default the original did not write."""
+    import json
+
+    from diffusers import AutoencoderKL
+    from safetensors.torch import load_file, save_file
+
+    make_sd_vae(tmp_path / "vae")
+    config = json.loads((tmp_path / "vae" / "config.json").read_text())
+    for key in ("_diffusers_version", "force_upcast", "mid_block_add_attention", "latents_mean", "shift_factor"):
+        del config[key]  # as an old config.json (sd-vae-ft-ema's: diffusers 0.4) lacks them
+    (tmp_path / "vae" / "config.json").write_text(json.dumps(config))
+    AutoencoderKL.from_pretrained(str(tmp_path / "vae")).save_pretrained(str(tmp_path / "resaved"))
+    resaved = json.loads((tmp_path / "resaved" / "config.json").read_text())
+    assert {"_name_or_path", "_diffusers_version", "force_upcast", "mid_block_add_attention"} <= set(resaved)
+    original = decoder_sha256("diffusers", tmp_path / "vae")
+    assert original is not None and decoder_sha256("diffusers", tmp_path / "resaved") == original
+
+    def variant(name: str, config_change: dict | None = None, weight: str = "") -> str:
+        shutil.copytree(tmp_path / "resaved", tmp_path / name)
+        if config_change:
+            path = tmp_path / name / "config.json"
+            path.write_text(json.dumps({**json.loads(path.read_text()), **config_change}))
+        if weight:
+            path = tmp_path / name / "diffusion_pytorch_model.safetensors"
+            weights = load_file(str(path))
+            weights[weight] = weights[weight] + 1e-3
+            save_file(weights, str(path), metadata={"format": "pt"})
+        return decoder_sha256("diffusers", tmp_path / name)
+
+    assert variant("bookkeeping", {"_diffusers_version": "0.1.0", "_name_or_path": "elsewhere"}) == original
+    assert variant("act_fn", {"act_fn": "gelu"}) != original  # changes what the network computes
+    assert variant("weight", weight="decoder.conv_out.bias") != original
+
+    # A meta.json of format 1 recorded the hash of the folder's file bytes: still checked against that.
+    from torchtitan.datasets.latents import check_tokenizer_matches
+
+    files = [tmp_path / "vae" / "config.json", tmp_path / "vae" / "diffusion_pytorch_model.safetensors"]
+    tokenizer = {"kind": "diffusers", "name": "AutoencoderKL:vae", "latent_channels": 4, "downsample": 2,
+                 "decoder_sha256": hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()}  # fmt: skip
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "meta.json").write_text(json.dumps({"format": "torchditan-latents/1", "tokenizer": tokenizer}))
+    meta = read_meta(tmp_path / "old")
+    check_tokenizer_matches(meta, Latent(tokenizer="diffusers", checkpoint_dir=str(tmp_path / "vae")))
+    with pytest.raises(ValueError, match=r"latent.checkpoint_dir = '.*weight': its decoder \(config.json, "
+                       r"diffusion_pytorch_model.safetensors\) has sha256 .* \(a hash of its files, as format 1 "
+                       r"recorded it\)"):  # fmt: skip
+        check_tokenizer_matches(meta, Latent(tokenizer="diffusers", checkpoint_dir=str(tmp_path / "weight")))
+
+
+def test_a_corrupt_meta_json_is_named_with_the_remedy(prepared):
+    text = (prepared / "meta.json").read_text()
+    (prepared / "meta.json").write_text(text[: len(text) // 2])  # a disk filled up while it was written
+    with pytest.raises(ValueError) as info:
+        LatentShardDataset(prepared)
+    assert str(info.value).startswith(f"{prepared / 'meta.json'} cannot be read (not JSON: ")
+    assert str(info.value).endswith("): it is damaged; run prepare.py again with the same options: it rewrites "
+                                    "meta.json from the finished shards")  # fmt: skip
+    (prepared / "meta.json").write_text("[]")
+    with pytest.raises(ValueError, match=rf"{prepared / 'meta.json'} cannot be read \(a list, not a JSON object\)"):
+        read_meta(prepared)

@@ -2,7 +2,9 @@
 
 A side feature: a failure is logged as an error and training goes on. A latent model's samples are decoded through
 the `[latent]` tokenizer (checked against the latents at start, on rank 0), or saved as latents
-(`samples/step-N.safetensors`) when it has none.
+(`samples/step-N.safetensors`) when it has none: model-space latents, whose metadata records the normalization of the
+prepared latents the model trained on and their tokenizer (`latents.model_space_metadata`), so
+`cosmos_latent_decoder.py` decodes them right with no flag.
 """
 
 import contextlib
@@ -97,12 +99,17 @@ class SampleWriter:
         if self.latent_space and not self.decodes:
             from safetensors.torch import save_file
 
+            from torchtitan.datasets.latents import model_space_metadata
+
+            training = self.config.training
+            metadata = model_space_metadata(training.dataset_path if training.dataset == "latents" else "",
+                                            self.config.latent.scale_factor)  # fmt: skip
             self.folder.mkdir(parents=True, exist_ok=True)
             tensors = {"latents": samples.float().cpu().contiguous()}
             if labels is not None:
                 tensors["labels"] = labels.cpu()
             path = self.folder / f"step-{step}.safetensors"
-            save_file(tensors, str(path))
+            save_file(tensors, str(path), metadata=metadata or None)
             logger.info(f"wrote sampled latents {path}")
             return
         if self.decodes:

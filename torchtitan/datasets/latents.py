@@ -9,12 +9,16 @@ A prepared folder holds `meta.json` (tokenizer, sizes, classes and the latent no
 - `stats_count`, `stats_mean`, `stats_m2`: per-channel moments of its latents (float64), so the dataset's
   mean/std come from the shards without reading them twice, and a resumed preparation stays exact;
 
-and in its safetensors metadata the tokenizer's kind, name, latent channels and downsample factor, the
-image size and its shard index. Shards are raw latents: the dataset applies the normalization of
-`meta.json` on access, and the decoder undoes it (`LatentNormalization`). meta.json also records the sha256 of
-the tokenizer's decoder files (`decoder_sha256`), so training, sampling and `cosmos_latent_decoder.py` refuse a
-`[latent]` tokenizer other than the one that encoded the latents, whatever its folder is called
-(`check_tokenizer_matches`; `latent.allow_tokenizer_mismatch` overrides it).
+and in its safetensors metadata what every latent file we write records (`latent_file_metadata`): whether its
+latents are normalized and how (`normalization`: shards hold raw latents, mode "none"), and the tokenizer that
+encoded them: kind, name, latent channels, downsample, and the sha256 of its encoder and decoder
+(`tokenizer_sha256`: the same network in a folder of any name gives the same hash); a shard adds its image size,
+index and layout. Resuming a preparation and opening the folder compare shards by these hashes, never by folder
+name. The dataset applies the normalization of `meta.json` on access, and the decoder undoes it
+(`LatentNormalization`); a run's saved samples (`samples/step-N.safetensors`) record that normalization, so
+`cosmos_latent_decoder.py` decodes any of these files by what it says. meta.json records the same hashes, so
+training, sampling and `cosmos_latent_decoder.py` refuse a `[latent]` tokenizer other than the one that encoded the
+latents (`check_tokenizer_matches`; `latent.allow_tokenizer_mismatch` overrides it).
 
 The flipped copy is picked at random on each access rather than counted as an extra example: an epoch is
 one pass over the images, and an image and its mirror are never two "different" examples (which would
@@ -27,6 +31,7 @@ is hot, and an ImageNet-sized folder needs no RAM of its own. Only the labels ar
 import bisect
 import functools
 import hashlib
+import inspect
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,10 +43,13 @@ from torchtitan.tools.logging import logger
 
 META_FILE = "meta.json"
 SHARD_GLOB = "shard-*.safetensors"
-FORMAT = "torchditan-latents/1"
-# Metadata keys that must agree between every shard of one folder (and with meta.json).
-TOKENIZER_KEYS = ("tokenizer_kind", "tokenizer_name", "latent_channels", "downsample")
-TOKENIZER_META_KEYS = ("kind", "name", "latent_channels", "downsample")  # the same, in meta.json's "tokenizer"
+FORMAT = "torchditan-latents/2"
+# Still read: shards without hashes or normalization, meta.json with a diffusers hash of the folder's file bytes.
+FORMAT_1 = "torchditan-latents/1"
+# A file's metadata key for each key of a tokenizer record (meta.json's "tokenizer").
+TOKENIZER_METADATA = {"kind": "tokenizer_kind", "name": "tokenizer_name", "latent_channels": "latent_channels",
+                      "downsample": "downsample", "encoder_sha256": "encoder_sha256",
+                      "decoder_sha256": "decoder_sha256"}  # fmt: skip
 
 
 def shard_name(index: int) -> str:
@@ -53,7 +61,8 @@ class LatentNormalization:
     """Maps raw tokenizer latents to roughly unit-variance model inputs, and back.
 
     mode "channel": (z - mean[c]) / std[c] with statistics measured over the prepared data;
-    mode "scale": z * scale_factor (Stable Diffusion's VAE uses 0.18215).
+    mode "scale": z * scale_factor (Stable Diffusion's VAE uses 0.18215);
+    mode "none": raw latents (what a shard records of its own).
     """
 
     mode: str = "channel"
@@ -62,8 +71,8 @@ class LatentNormalization:
     scale_factor: float = 1.0
 
     def __post_init__(self):
-        if self.mode not in ("channel", "scale"):
-            raise ValueError(f"latent normalization mode {self.mode!r}: must be 'channel' or 'scale'")
+        if self.mode not in ("channel", "scale", "none"):
+            raise ValueError(f"latent normalization mode {self.mode!r}: must be 'channel', 'scale' or 'none'")
         if self.mode == "scale" and self.scale_factor <= 0:
             raise ValueError(f"latent normalization scale_factor = {self.scale_factor}: must be > 0")
 
@@ -74,15 +83,26 @@ class LatentNormalization:
 
     def normalize(self, z: torch.Tensor) -> torch.Tensor:
         """Raw latents (..., C, h, w) -> model space."""
+        if self.mode == "none":
+            return z
         if self.mode == "scale":
             return z * self.scale_factor
         return (z - self._channel_view(z, self.mean)) / self._channel_view(z, self.std)
 
     def denormalize(self, z: torch.Tensor) -> torch.Tensor:
         """Model space (..., C, h, w) -> raw latents, ready for the tokenizer's decoder."""
+        if self.mode == "none":
+            return z
         if self.mode == "scale":
             return z / self.scale_factor
         return z * self._channel_view(z, self.std) + self._channel_view(z, self.mean)
+
+    def describe(self) -> str:
+        if self.mode == "none":
+            return "raw tokenizer latents"
+        if self.mode == "scale":
+            return f"latents scaled as z * {self.scale_factor}"
+        return "latents normalized per channel, (z - mean) / std"
 
     def to_dict(self) -> dict:
         return {"mode": self.mode, "mean": self.mean, "std": self.std, "scale_factor": self.scale_factor}
@@ -93,7 +113,8 @@ class LatentNormalization:
 
 
 def read_meta(path: str | Path) -> dict:
-    """The prepared folder's meta.json; raises naming the folder when it is missing or unfinished."""
+    """The prepared folder's meta.json; raises naming the folder when it is missing or unfinished, and the file
+    when it is damaged."""
     root = Path(path)
     if not root.is_dir():
         raise FileNotFoundError(f"training.dataset_path: latent folder {root} does not exist")
@@ -105,9 +126,20 @@ def read_meta(path: str | Path) -> dict:
                                     "and no meta.json; prepare it with data/<dataset>/prepare.py")  # fmt: skip
         raise FileNotFoundError(f"training.dataset_path: {root} has {len(shards)} shard(s) but no {META_FILE}: "
                                 "its preparation did not finish; run prepare.py again, it resumes")  # fmt: skip
-    meta = json.loads(meta_file.read_text())
-    if meta.get("format") != FORMAT:
+    try:
+        meta = json.loads(meta_file.read_text())
+        problem = "" if isinstance(meta, dict) else f"a {type(meta).__name__}, not a JSON object"
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        problem = f"not JSON: {e}"
+    if problem:
+        raise ValueError(f"{meta_file} cannot be read ({problem}): it is damaged; run prepare.py again with the same "
+                         f"options: it rewrites {META_FILE} from the finished shards")  # fmt: skip
+    if meta.get("format") not in (FORMAT, FORMAT_1):
         raise ValueError(f"{meta_file}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    tokenizer = meta.get("tokenizer", {})
+    if meta["format"] == FORMAT_1 and tokenizer.get("kind") == "diffusers" and tokenizer.get("decoder_sha256"):
+        # Format 1 hashed a diffusers folder's file bytes, which save_pretrained changes: kept for the legacy check.
+        tokenizer["decoder_files_sha256"] = tokenizer.pop("decoder_sha256")
     return meta
 
 
@@ -118,43 +150,129 @@ def normalization_for(meta: dict, scale_factor: float = 0.0) -> LatentNormalizat
     return LatentNormalization.from_dict(meta["normalization"])
 
 
-def shard_tokenizer(metadata: dict) -> tuple:
-    """The (kind, name, channels, downsample) tuple a shard was encoded with."""
-    return tuple(str(metadata.get(key, "?")) for key in TOKENIZER_KEYS)
+def tokenizer_record(tokenizer) -> dict:
+    """meta.json's "tokenizer" for a loaded tokenizer: kind, name, channels, downsample and the sha256 of each half
+    in its folder (None for a half whose files are not there)."""
+    folder = tokenizer.checkpoint_dir
+    return {
+        "kind": tokenizer.kind,
+        "name": tokenizer.name,
+        "latent_channels": int(tokenizer.latent_channels),
+        "downsample": int(tokenizer.downsample),
+        "encoder_sha256": tokenizer_sha256(tokenizer.kind, folder, "encoder"),
+        "decoder_sha256": tokenizer_sha256(tokenizer.kind, folder, "decoder"),
+    }
 
 
-def describe_tokenizer(key: tuple) -> str:
-    kind, name, channels, downsample = key
-    return f"{kind}:{name} ({channels} channels, downsample {downsample})"
+def describe_tokenizer(record: dict, hashes: bool = False) -> str:
+    """`kind:name (C channels, downsample f)`, with the encoder's hash when `hashes` and recorded."""
+    sha256 = record.get("encoder_sha256")
+    hashed = f", encoder sha256 {sha256[:16]}..." if hashes and sha256 else ""
+    return (f"{record.get('kind', '?')}:{record.get('name', '?')} ({record.get('latent_channels', '?')} channels, "
+            f"downsample {record.get('downsample', '?')}{hashed})")  # fmt: skip
 
 
-def decoder_files(kind: str, checkpoint_dir: str | Path) -> list[Path]:
-    """The files a tokenizer folder decodes with: `decoder.jit` (cosmos_jit), or `config.json` and the
-    `diffusion_pytorch_model*` weights (diffusers, whose one weights file holds both halves); only those present."""
+def same_tokenizer(a: dict, b: dict) -> bool:
+    """Whether two tokenizer records name one tokenizer: kind, shapes and the encoder's hash (and the decoder's,
+    where both record one); folder names are no identity. Records of format 1 carry no hash: compared by name."""
+    if any(str(a.get(key)) != str(b.get(key)) for key in ("kind", "latent_channels", "downsample")):
+        return False
+    if not (a.get("encoder_sha256") or b.get("encoder_sha256")):
+        return a.get("name") == b.get("name")
+    decoders = a.get("decoder_sha256"), b.get("decoder_sha256")
+    return a.get("encoder_sha256") == b.get("encoder_sha256") and (not all(decoders) or decoders[0] == decoders[1])
+
+
+def latent_file_metadata(normalization: LatentNormalization, tokenizer: dict | None) -> dict[str, str]:
+    """The safetensors metadata every latent file we write carries: how its latents are normalized, and the record
+    of the tokenizer that encoded them (`tokenizer_record`), so a decoder needs no flag to decode it right."""
+    metadata = {"format": FORMAT, "normalization": json.dumps(normalization.to_dict())}
+    if tokenizer is not None:
+        metadata |= {key: str(tokenizer.get(field) or "") for field, key in TOKENIZER_METADATA.items()}
+    return metadata
+
+
+def file_tokenizer(metadata: dict) -> dict | None:
+    """The tokenizer record (`tokenizer_record`'s keys) a latent file's metadata holds; None when it holds none."""
+    if "tokenizer_kind" not in metadata:
+        return None
+    record = {field: metadata.get(key) or None for field, key in TOKENIZER_METADATA.items()}
+    record["latent_channels"], record["downsample"] = int(record["latent_channels"]), int(record["downsample"])
+    return record
+
+
+def file_normalization(metadata: dict) -> LatentNormalization | None:
+    """How a latent file's latents are normalized, as its metadata says; None when it does not say."""
+    if "normalization" in metadata:
+        return LatentNormalization.from_dict(json.loads(metadata["normalization"]))
+    if metadata.get("format") == FORMAT_1 and "shard_index" in metadata:
+        return LatentNormalization("none")  # a shard of format 1: raw, though it did not say so
+    return None
+
+
+def read_file_metadata(path: str | Path) -> dict[str, str]:
+    """A latent file's safetensors metadata ({} for a `.pt` file, which has none)."""
+    if Path(path).suffix != ".safetensors":
+        return {}
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return f.metadata() or {}
+
+
+def model_space_metadata(dataset_path: str, scale_factor: float) -> dict[str, str]:
+    """What a file of a latent model's samples records: the normalization of the prepared latents it trained on
+    (`dataset_path`, or `scale_factor` > 0 as latent.scale_factor) and their tokenizer; {} when neither is known."""
+    meta = read_meta(dataset_path) if dataset_path else None
+    if meta is None and scale_factor <= 0:
+        return {}
+    return latent_file_metadata(normalization_for(meta or {}, scale_factor), meta["tokenizer"] if meta else None)
+
+
+def _part_files(kind: str, checkpoint_dir: str | Path, part: str) -> list[Path]:
     folder = Path(checkpoint_dir)
     if kind == "cosmos_jit":
-        files = [folder / "decoder.jit"]
+        files = [folder / f"{part}.jit"]
     else:
-        files = [folder / "config.json", *sorted(folder.glob("diffusion_pytorch_model*"))]
+        from torchtitan.models.dit.diffusers_adapter import diffusers_weight_files
+
+        files = [folder / "config.json", *diffusers_weight_files(folder)]
     return [f for f in files if f.is_file()]
 
 
-def decoder_sha256(kind: str, checkpoint_dir: str | Path) -> str | None:
-    """sha256 over the contents of `decoder_files`, in order: the same weights in any folder give the same hash.
+def decoder_files(kind: str, checkpoint_dir: str | Path) -> list[Path]:
+    """The files a tokenizer folder decodes with: `decoder.jit` (cosmos_jit), or `config.json` and the weights
+    `from_pretrained` reads (diffusers, whose weights hold both halves); only those present."""
+    return _part_files(kind, checkpoint_dir, "decoder")
 
-    None when the folder holds no decoder file (an encoder-only folder, or none at all).
+
+def tokenizer_sha256(kind: str, checkpoint_dir: str | Path, part: str) -> str | None:
+    """sha256 of what defines one half of a tokenizer, so the same network in a folder of any name, re-saved or not,
+    gives the same hash.
+
+    cosmos_jit: the bytes of `<part>.jit`. diffusers (one network, the same hash for both halves): the weights
+    tensor by tensor (name, dtype, shape, values) and the config keys the autoencoder is built from that differ from
+    their defaults; not diffusers' bookkeeping (`_name_or_path`, `_diffusers_version`), nor the defaults
+    `save_pretrained` writes out. None when the folder lacks those files.
     """
-    files = decoder_files(kind, checkpoint_dir)
-    if not [f for f in files if f.name != "config.json"]:  # a diffusers config.json alone decodes nothing
+    files = _part_files(kind, checkpoint_dir, part)
+    if kind == "diffusers" and (len(files) < 2 or files[0].name != "config.json"):
+        return None  # a config alone, or weights alone, builds no network
+    if not files:
         return None
     stamps = tuple((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
-    return _sha256_of(stamps)
+    return _files_sha256(stamps) if kind == "cosmos_jit" else _diffusers_sha256(stamps)
 
 
+def decoder_sha256(kind: str, checkpoint_dir: str | Path) -> str | None:
+    """`tokenizer_sha256` of the decoder: what meta.json records and every decoding checks."""
+    return tokenizer_sha256(kind, checkpoint_dir, "decoder")
+
+
+# Keyed by size and mtime too: a training run checks once at the start and again when it first decodes, and a
+# Cosmos decoder is hundreds of MB; a file rewritten in place is read again.
 @functools.lru_cache(maxsize=8)
-def _sha256_of(stamps: tuple[tuple[str, int, int], ...]) -> str:
-    # Keyed by size and mtime too: a training run checks once at the start and again when it first decodes, and a
-    # Cosmos decoder is hundreds of MB; a file rewritten in place is read again.
+def _files_sha256(stamps: tuple[tuple[str, int, int], ...]) -> str:
     digest = hashlib.sha256()
     for path, _, _ in stamps:
         with open(path, "rb") as f:
@@ -163,64 +281,111 @@ def _sha256_of(stamps: tuple[tuple[str, int, int], ...]) -> str:
     return digest.hexdigest()
 
 
+@functools.lru_cache(maxsize=8)
+def _diffusers_sha256(stamps: tuple[tuple[str, int, int], ...]) -> str:
+    from torchtitan.models.dit.diffusers_adapter import load_weight_files
+
+    config = json.loads(Path(stamps[0][0]).read_text())
+    digest = hashlib.sha256(json.dumps(_functional_config(config), sort_keys=True).encode())
+    weights = load_weight_files([Path(path) for path, _, _ in stamps[1:]])
+    for name in sorted(weights):
+        tensor = weights[name].contiguous()
+        digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)};".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def _functional_config(config: dict) -> dict:
+    """The config keys a diffusers autoencoder is built from (its class's __init__ arguments) that differ from their
+    defaults, and the class: what `from_pretrained` makes of the config, whoever wrote it."""
+    import diffusers
+
+    class_name = config.get("_class_name", "AutoencoderKL")
+    vae_class = getattr(diffusers, class_name, None)
+    if vae_class is None:  # not a class this diffusers knows: every key but the bookkeeping
+        return {"_class_name": class_name, **{k: v for k, v in config.items() if not k.startswith("_")}}
+    defaults = {name: p.default for name, p in inspect.signature(vae_class.__init__).parameters.items()}
+    return {"_class_name": class_name, **{k: v for k, v in config.items() if k in defaults
+                                          and _as_json(v) != _as_json(defaults[k])}}  # fmt: skip
+
+
+def _as_json(value) -> str | None:
+    try:
+        return json.dumps(value, sort_keys=True)  # a tuple default and its list in config.json are equal
+    except TypeError:  # no default (a required argument), or none JSON can write
+        return None
+
+
+def _legacy_files_sha256(checkpoint_dir: str | Path) -> str | None:
+    """Format 1's diffusers hash: the bytes of config.json and of every `diffusion_pytorch_model*` file."""
+    folder = Path(checkpoint_dir)
+    files = [f for f in [folder / "config.json", *sorted(folder.glob("diffusion_pytorch_model*"))] if f.is_file()]
+    stamps = tuple((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    return _files_sha256(stamps) if len(files) > 1 else None
+
+
 def check_tokenizer_matches(meta: dict, latent_config, tokenizer=None, source: str | Path = "") -> None:
     """Refuses a `[latent]` tokenizer other than the one the prepared latents were encoded with.
 
     Without this a CI16x16 folder given for CI8x8 latents trains and samples silently, and decodes every latent
-    cell to 16 px instead of 8. Compared: `latent.tokenizer` with the stored kind; the sha256 of the decoder files
-    of `latent.checkpoint_dir` with the one meta.json records (so the same weights in a folder of another name
-    match), when that folder holds them; and, once a tokenizer is loaded, its channels and downsample. A meta.json
-    written before hashes were recorded is checked by kind, channels and downsample alone, and a warning says so.
+    cell to 16 px instead of 8. Compared: `latent.tokenizer` with the stored kind; `decoder_sha256` of
+    `latent.checkpoint_dir` with the one recorded (so the same network in a folder of another name matches), when that
+    folder holds the decoder; and, once a tokenizer is loaded, its channels and downsample. A record without a hash
+    (written before hashes were recorded, or from an encoder-only folder) is checked by kind, channels and
+    downsample alone, and a warning says so.
 
     Args:
-        meta: the prepared folder's meta.json (`read_meta`).
+        meta: the prepared folder's meta.json (`read_meta`), or `{"tokenizer": record}` of a latent file.
         latent_config: the `[latent]` section (or anything with `tokenizer` and `checkpoint_dir`); its
             `allow_tokenizer_mismatch`, when true, turns a refusal into a warning.
         tokenizer: the loaded tokenizer (`latent_channels`, `downsample`), or None before one is loaded.
-        source: the prepared folder, named in the message.
+        source: the prepared folder (its meta.json is named), or the latent file holding the record.
 
     Raises:
         ValueError: naming meta.json, the tokenizer folder and each value that disagrees with both sides.
     """
     stored = meta["tokenizer"]
     kind, checkpoint_dir = latent_config.tokenizer, str(latent_config.checkpoint_dir)
-    where = Path(source) / META_FILE if source else Path(META_FILE)
-    recorded = stored.get("decoder_sha256")
+    where = Path(source) if Path(source).is_file() else Path(source) / META_FILE
+    recorded = stored.get("decoder_sha256") or stored.get("decoder_files_sha256")
     problems = []
     if kind != stored["kind"]:
         problems.append(f"latent.tokenizer = {kind!r} but the latents' tokenizer kind is {stored['kind']!r}")
     elif recorded and checkpoint_dir:
-        found = decoder_sha256(kind, checkpoint_dir)
+        legacy = not stored.get("decoder_sha256")
+        found = _legacy_files_sha256(checkpoint_dir) if legacy else decoder_sha256(kind, checkpoint_dir)
         if found is not None and found != recorded:  # None: no decoder file there, and nothing decodes yet
             files = ", ".join(f.name for f in decoder_files(kind, checkpoint_dir))
             problems.append(f"latent.checkpoint_dir = {checkpoint_dir!r}: its decoder ({files}) has sha256 "
-                            f"{found[:16]}... but the latents' tokenizer {recorded[:16]}...")  # fmt: skip
+                            f"{found[:16]}... but the latents' tokenizer {recorded[:16]}..."
+                            f"{' (a hash of its files, as format 1 recorded it)' if legacy else ''}")  # fmt: skip
     if tokenizer is not None:
         for key, value in (("latent_channels", tokenizer.latent_channels), ("downsample", tokenizer.downsample)):
             if int(value) != int(stored[key]):
                 problems.append(f"{key}: the tokenizer in {checkpoint_dir!r} has {value} but the latents {stored[key]}")
     if not problems:
         if tokenizer is not None and not recorded:
-            _warn_unhashed(where, checkpoint_dir)
+            _warn_once(f"{where} records no decoder hash (prepared before TorchDiTan recorded one, or without the "
+                       f"decoder file): the tokenizer {checkpoint_dir!r} was checked by kind, latent channels and "
+                       "downsample only; other weights of the same shape would decode wrongly")  # fmt: skip
         return
     unhashed = "" if recorded else " (it records no decoder hash: kind, channels and downsample were compared)"
     message = (f"{where}: the [latent] tokenizer is not the one these latents were encoded with "
-               f"({describe_tokenizer(tuple(stored[k] for k in TOKENIZER_META_KEYS))}): {'; '.join(problems)}"
-               f"{unhashed}. Point latent.tokenizer and latent.checkpoint_dir at that tokenizer, prepare the data "
-               "again with this one, or set latent.allow_tokenizer_mismatch (--allow-tokenizer-mismatch in sample.py "
-               "and cosmos_latent_decoder.py) to decode with it anyway")  # fmt: skip
+               f"({describe_tokenizer(stored)}): {'; '.join(problems)}{unhashed}. Point latent.tokenizer and "
+               "latent.checkpoint_dir at that tokenizer, prepare the data again with this one, or set "
+               "latent.allow_tokenizer_mismatch (--allow-tokenizer-mismatch in sample.py and cosmos_latent_decoder.py) "
+               "to decode with it anyway")  # fmt: skip
     if getattr(latent_config, "allow_tokenizer_mismatch", False):
-        logger.warning(f"{message} (allowed: latent.allow_tokenizer_mismatch)")
+        _warn_once(f"{message} (allowed: latent.allow_tokenizer_mismatch)")
         return
     raise ValueError(message)
 
 
-@functools.lru_cache(maxsize=8)
-def _warn_unhashed(where: Path, checkpoint_dir: str) -> None:
-    # Once per pair: a training run checks at its start and again when it first decodes.
-    logger.warning(f"{where} records no decoder hash (prepared before TorchDiTan recorded one, or without the "
-                   f"decoder file): the tokenizer {checkpoint_dir!r} was checked by kind, latent channels and "
-                   "downsample only; other weights of the same shape would decode wrongly")  # fmt: skip
+@functools.lru_cache(maxsize=32)
+def _warn_once(message: str) -> None:
+    # A run checks the tokenizer at its start and again as it decodes (sample.py before sampling and at each batch):
+    # one warning says it.
+    logger.warning(message)
 
 
 def combine_moments(parts: list[tuple[float, torch.Tensor, torch.Tensor]]) -> tuple[float, torch.Tensor, torch.Tensor]:
@@ -286,15 +451,14 @@ class LatentShardDataset(Dataset):
         if not self.shards or missing:
             raise FileNotFoundError(f"training.dataset_path: {self.root} lacks shard(s) {missing[:5]} of "
                                     f"{len(expected)} listed in {META_FILE}; run prepare.py again")  # fmt: skip
-        tokenizer = self.meta["tokenizer"]
-        want = tuple(str(tokenizer[k]) for k in TOKENIZER_META_KEYS)
+        want = self.meta["tokenizer"]
         for shard in self.shards:
             with safe_open(str(shard), "pt") as f:
-                got = shard_tokenizer(f.metadata() or {})
-            if got != want:
+                got = file_tokenizer(f.metadata() or {}) or {}
+            if not same_tokenizer(got, want):
                 raise ValueError(
-                    f"latent shard {shard} was encoded by tokenizer {describe_tokenizer(got)} but "
-                    f"{self.root / META_FILE} (and its other shards) by {describe_tokenizer(want)}: "
+                    f"latent shard {shard} was encoded by tokenizer {describe_tokenizer(got, hashes=True)} but "
+                    f"{self.root / META_FILE} (and its other shards) by {describe_tokenizer(want, hashes=True)}: "
                     "shards of different tokenizers cannot be mixed; prepare them into separate folders"
                 )
 

@@ -30,11 +30,13 @@ from torchtitan.datasets.latents import (
     META_FILE,
     LatentNormalization,
     combine_moments,
-    decoder_sha256,
     describe_tokenizer,
+    file_tokenizer,
+    latent_file_metadata,
     moments_std,
+    same_tokenizer,
     shard_name,
-    shard_tokenizer,
+    tokenizer_record,
 )
 from torchtitan.datasets.prefetch import images_to_float
 from torchtitan.tools.logging import logger
@@ -73,30 +75,28 @@ def init_distributed() -> tuple[int, int, torch.device]:
     return rank, world, torch.device("cpu")
 
 
-def _shard_metadata(tokenizer, index: int, num_shards: int, shard_size: int, image_size: int, flip: bool) -> dict:
-    return {
-        "format": FORMAT,
-        "tokenizer_kind": tokenizer.kind,
-        "tokenizer_name": tokenizer.name,
-        "latent_channels": str(tokenizer.latent_channels),
-        "downsample": str(tokenizer.downsample),
-        "image_size": str(image_size),
-        "shard_index": str(index),
-        "num_shards": str(num_shards),
-        "shard_size": str(shard_size),
-        "flip": str(flip),
-    }
+def _shard_metadata(record: dict, index: int, num_shards: int, shard_size: int, image_size: int, flip: bool) -> dict:
+    """A shard's metadata: raw latents of the tokenizer `record` (`tokenizer_record`), and the shard's layout."""
+    layout = {"image_size": image_size, "shard_index": index, "num_shards": num_shards, "shard_size": shard_size,
+              "flip": flip}  # fmt: skip
+    return latent_file_metadata(LatentNormalization("none"), record) | {k: str(v) for k, v in layout.items()}
 
 
 def _check_existing(path: Path, expected: dict) -> None:
-    """A finished shard must come from the same tokenizer and layout as this run; raises naming both."""
+    """A finished shard must come from the same tokenizer (by its hashes, not its folder's name) and layout as this
+    run; raises naming both."""
     from safetensors import safe_open
 
     with safe_open(str(path), "pt") as f:
         found = f.metadata() or {}
-    if shard_tokenizer(found) != shard_tokenizer(expected):
-        raise ValueError(f"{path} was encoded by tokenizer {describe_tokenizer(shard_tokenizer(found))}, this run "
-                         f"uses {describe_tokenizer(shard_tokenizer(expected))}: use another --out folder")  # fmt: skip
+    theirs, ours = file_tokenizer(found) or {}, file_tokenizer(expected)
+    if not theirs.get("encoder_sha256"):
+        raise ValueError(f"{path} was written before TorchDiTan recorded the tokenizer's hash in each shard: whether "
+                         f"{describe_tokenizer(ours)} encoded it cannot be checked; encode into another --out folder "
+                         "(or delete this folder's shards to encode them again)")  # fmt: skip
+    if not same_tokenizer(theirs, ours):
+        raise ValueError(f"{path} was encoded by tokenizer {describe_tokenizer(theirs, hashes=True)}, this run uses "
+                         f"{describe_tokenizer(ours, hashes=True)}: use another --out folder")  # fmt: skip
     for key in ("image_size", "num_shards", "shard_size", "flip"):
         if found.get(key) != expected[key]:
             raise ValueError(f"{path} has {key} = {found.get(key)} but this run uses {expected[key]}: "
@@ -151,11 +151,12 @@ def prepare_latents(source: Dataset, out: str | Path, tokenizer, *, image_size: 
                     classes: list[str] | None = None, shard_size: int = 4096, batch_size: int = 64,
                     num_workers: int = 0, flip: bool = True, normalization: str = "channel",
                     scale_factor: float = 0.18215, dtype: str = "float16", max_shards: int = 0, rank: int = 0,
-                    world_size: int = 1, description: str = "", checkpoint_dir: str | Path = "") -> bool:  # fmt: skip
+                    world_size: int = 1, description: str = "") -> bool:  # fmt: skip
     """Encodes `source` ((image (3, H, W) in [-1, 1] or uint8, label) pairs, unflipped) into shards under `out`.
 
-    `checkpoint_dir` is the tokenizer's folder: meta.json records the sha256 of its decoder files, which every
-    later decoding checks (`check_tokenizer_matches`); without it (or without a decoder file there) none is recorded.
+    Every shard and meta.json record the sha256 of the tokenizer's encoder and decoder in its folder
+    (`tokenizer_record`): a resume refuses shards of another tokenizer, and every later decoding checks the decoder
+    (`check_tokenizer_matches`); a folder without the decoder file records none for it, and a warning says so.
 
     Returns:
         True when the folder is complete (meta.json written), False when shards are still missing
@@ -165,10 +166,11 @@ def prepare_latents(source: Dataset, out: str | Path, tokenizer, *, image_size: 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     num_shards = math.ceil(len(source) / shard_size)
+    record = tokenizer_record(tokenizer)
     mine = list(range(rank, num_shards, world_size))
     pending = []
     for index in mine:
-        metadata = _shard_metadata(tokenizer, index, num_shards, shard_size, image_size, flip)
+        metadata = _shard_metadata(record, index, num_shards, shard_size, image_size, flip)
         path = out / shard_name(index)
         if path.is_file():
             _check_existing(path, metadata)
@@ -195,9 +197,12 @@ def prepare_latents(source: Dataset, out: str | Path, tokenizer, *, image_size: 
     complete = all((out / shard_name(i)).is_file() for i in range(num_shards))
     if rank == 0:
         if complete:
-            meta = build_meta(out, num_shards, tokenizer, image_size, num_classes, classes, flip, dtype,
+            meta = build_meta(out, num_shards, record, image_size, num_classes, classes, flip, dtype,
                               normalization, scale_factor, description)  # fmt: skip
-            meta["tokenizer"]["decoder_sha256"] = _recorded_decoder_hash(tokenizer, checkpoint_dir)
+            if record["decoder_sha256"] is None:
+                logger.warning(f"no decoder file in the tokenizer folder {str(tokenizer.checkpoint_dir)!r}: meta.json "
+                               "records no decoder hash; decoding is checked by kind, channels and downsample "
+                               "alone")  # fmt: skip
             tmp = out / (META_FILE + ".tmp")
             tmp.write_text(json.dumps(meta, indent=1))
             os.replace(tmp, out / META_FILE)
@@ -208,9 +213,10 @@ def prepare_latents(source: Dataset, out: str | Path, tokenizer, *, image_size: 
     return complete
 
 
-def build_meta(out: Path, num_shards: int, tokenizer, image_size: int, num_classes: int, classes, flip: bool,
+def build_meta(out: Path, num_shards: int, record: dict, image_size: int, num_classes: int, classes, flip: bool,
                dtype: str, normalization: str, scale_factor: float, description: str) -> dict:  # fmt: skip
-    """meta.json's content: dataset facts plus the normalization, from the shards' stored moments."""
+    """meta.json's content: the tokenizer `record`, dataset facts and the normalization, from the shards' stored
+    moments."""
     from safetensors import safe_open
 
     parts, num_images, latent_size = [], 0, 0
@@ -229,12 +235,7 @@ def build_meta(out: Path, num_shards: int, tokenizer, image_size: int, num_class
     return {
         "format": FORMAT,
         "description": description,
-        "tokenizer": {
-            "kind": tokenizer.kind,
-            "name": tokenizer.name,
-            "latent_channels": tokenizer.latent_channels,
-            "downsample": tokenizer.downsample,
-        },
+        "tokenizer": record,
         "image_size": image_size,
         "latent_size": latent_size,
         "num_images": num_images,
@@ -246,15 +247,6 @@ def build_meta(out: Path, num_shards: int, tokenizer, image_size: int, num_class
         # mean/std are always the measured per-channel statistics; mode says which map the dataset applies.
         "normalization": norm.to_dict(),
     }
-
-
-def _recorded_decoder_hash(tokenizer, checkpoint_dir: str | Path) -> str | None:
-    """The hash meta.json records for the tokenizer's decoder files; None, said in a warning, when they are absent."""
-    found = decoder_sha256(tokenizer.kind, checkpoint_dir) if checkpoint_dir else None
-    if found is None:
-        logger.warning(f"no decoder file in the tokenizer folder {str(checkpoint_dir)!r}: meta.json records no "
-                       "decoder hash; decoding is checked by kind, channels and downsample alone")  # fmt: skip
-    return found
 
 
 def check_prepare_args(args: argparse.Namespace) -> None:
@@ -308,7 +300,7 @@ def run_prepare(args: argparse.Namespace, source: Dataset, image_size: int, num_
                         classes=classes, shard_size=args.shard_size, batch_size=args.batch_size,
                         num_workers=args.num_workers, flip=not args.no_flip, normalization=args.normalization,
                         scale_factor=args.scale_factor, dtype=args.dtype, max_shards=args.max_shards, rank=rank,
-                        world_size=world, description=description, checkpoint_dir=args.checkpoint_dir)  # fmt: skip
+                        world_size=world, description=description)  # fmt: skip
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -40,7 +40,9 @@ class LatentTokenizer:
 
     Attributes:
         kind: "cosmos_jit" or "diffusers".
-        name: identifies the weights (the folder name), stored in every latent shard.
+        name: the folder name, for people: latent files record it, but the hashes of the folder's networks
+            (`latents.tokenizer_record`) identify the weights.
+        checkpoint_dir: the folder it was loaded from.
         parts: the halves loaded ("encoder", "decoder"); calling the other one raises.
         latent_channels: C of the latents.
         downsample: spatial factor f (H / h).
@@ -48,11 +50,13 @@ class LatentTokenizer:
 
     kind = ""
 
-    def __init__(self, name: str, device: torch.device, dtype: torch.dtype, parts: tuple[str, ...]):
+    def __init__(self, name: str, checkpoint_dir: Path, device: torch.device, dtype: torch.dtype,
+                 parts: tuple[str, ...]):  # fmt: skip
         unknown = [part for part in parts if part not in PARTS]
         if unknown or not parts:
             raise ValueError(f"tokenizer parts {tuple(parts)}: must be one or both of {PARTS}")
         self.name = name
+        self.checkpoint_dir = checkpoint_dir
         self.device = torch.device(device)
         self.dtype = dtype
         self.parts = tuple(parts)
@@ -126,7 +130,7 @@ class CosmosJITTokenizer(LatentTokenizer):
 
     def __init__(self, checkpoint_dir: Path, device: torch.device, dtype: torch.dtype, parts: tuple[str, ...]):
         refuse_unsupported_cosmos(checkpoint_dir)
-        super().__init__(checkpoint_dir.name, device, dtype, parts)
+        super().__init__(checkpoint_dir.name, checkpoint_dir, device, dtype, parts)
         self.files, self.run_dtypes = {}, {}
         self.encoder = self.decoder = None
         for part in self.parts:
@@ -238,7 +242,7 @@ class DiffusersTokenizer(LatentTokenizer):
                                     "folder as written by save_pretrained)")  # fmt: skip
         config = json.loads(config_file.read_text())
         class_name = config.get("_class_name", "AutoencoderKL")
-        super().__init__(f"{class_name}:{checkpoint_dir.name}", device, dtype, parts)
+        super().__init__(f"{class_name}:{checkpoint_dir.name}", checkpoint_dir, device, dtype, parts)
         import diffusers
 
         if class_name not in ("AutoencoderKL", "AutoencoderKLCosmos"):
@@ -317,7 +321,7 @@ def load_training_decoder(job_config, device: torch.device | str) -> LatentToken
 
     Loaded once per process (decoder only; bf16 on a GPU for a diffusers autoencoder). When
     `training.dataset_path` holds a meta.json, the tokenizer must be the one it names
-    (`check_tokenizer_matches`: kind, folder name, channels, downsample).
+    (`check_tokenizer_matches`: kind, decoder hash, channels, downsample).
 
     Raises:
         ValueError: the tokenizer is not the one the latents were encoded with (the message names both).

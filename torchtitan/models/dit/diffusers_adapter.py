@@ -40,7 +40,9 @@ from torchtitan.models.dit.model import DiT, DiTArgs
 __all__ = [
     "args_from_config",
     "diffusers_config",
+    "diffusers_weight_files",
     "from_diffusers",
+    "load_weight_files",
     "read_diffusers_folder",
     "save_diffusers_folder",
     "scheduler_config",
@@ -376,18 +378,34 @@ def read_diffusers_folder(folder) -> tuple[dict[str, torch.Tensor], DiTArgs]:
     config = json.loads((folder / "config.json").read_text())
     if config.get("_class_name", "DiTTransformer2DModel") not in ("DiTTransformer2DModel", "Transformer2DModel"):
         raise ValueError(f"{folder / 'config.json'}: _class_name={config['_class_name']!r}, not a DiT")
+    files = diffusers_weight_files(folder)
+    if not files:
+        raise FileNotFoundError(f"{folder}: no {WEIGHTS_NAME} (nor its index, nor a .bin)")
+    return from_diffusers(load_weight_files(files), config)
+
+
+def diffusers_weight_files(folder) -> list[Path]:
+    """The weight files `from_pretrained` reads from a diffusers model folder (no variant): its safetensors file,
+    the shards its .index.json lists, or a legacy .bin; [] when there are none."""
+    folder = Path(folder)
     index = folder / f"{WEIGHTS_NAME}.index.json"
     if (folder / WEIGHTS_NAME).exists():
-        state_dict = load_file(str(folder / WEIGHTS_NAME))
-    elif index.exists():
-        state_dict = {}
-        for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
-            state_dict.update(load_file(str(folder / shard)))
-    elif (folder / "diffusion_pytorch_model.bin").exists():
-        state_dict = torch.load(folder / "diffusion_pytorch_model.bin", map_location="cpu", weights_only=True)
-    else:
-        raise FileNotFoundError(f"{folder}: no {WEIGHTS_NAME} (nor its index, nor a .bin)")
-    return from_diffusers(state_dict, config)
+        return [folder / WEIGHTS_NAME]
+    if index.exists():
+        return [folder / shard for shard in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    legacy = folder / "diffusion_pytorch_model.bin"
+    return [legacy] if legacy.exists() else []
+
+
+def load_weight_files(files: list[Path]) -> dict[str, torch.Tensor]:
+    """One state dict from `diffusers_weight_files` (a .bin through torch.load's weights_only: it runs no code)."""
+    state_dict = {}
+    for path in files:
+        if path.suffix == ".bin":
+            state_dict.update(torch.load(path, map_location="cpu", weights_only=True))
+        else:
+            state_dict.update(load_file(str(path)))
+    return state_dict
 
 
 # The DiTArgs a diffusers DiT determines: a model that starts from its weights must have the same.
