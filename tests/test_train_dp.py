@@ -16,7 +16,7 @@ from torch import nn
 
 from tests.conftest import TINY, read_metrics, run_train
 from torchtitan.components.checkpoint import ResumeRefusedError
-from torchtitan.config_manager import JobConfig
+from torchtitan.config_manager import ConfigError, JobConfig
 from torchtitan.dp.testing import clipped_mean, per_sample_grads
 from torchtitan.dp.training import PrivateTraining, gather_kept, norm_statistics
 from torchtitan.tools.logging import logger
@@ -246,6 +246,23 @@ def test_resume_past_the_privacy_budget_is_refused():
     assert epsilon > 2.0
     with pytest.raises(ResumeRefusedError, match="dp.accountant: the checkpoint's privacy was accounted with 'rdp'"):
         _private(6, target_epsilon=0.0, accountant="prv", state=spent.state_dict())
+
+
+def test_a_target_epsilon_no_noise_reaches_is_refused_by_name():
+    """A fresh run whose dp.target_epsilon no noise multiplier reaches: one error naming the key and the smallest
+    epsilon the run can reach (it was a raw ValueError). Under RDP that is the conversion's floor as sigma grows:
+    Opacus's largest order, alpha = 63, gives log(62 / 63) - (log(delta) + log(63)) / 62 = 0.10287 at delta 1e-5,
+    whatever the steps (the accountant's epsilon at sigma 1e6 is within 1e-8 of it)."""
+    floor = math.log(62 / 63) - (math.log(1e-5) + math.log(63)) / 62
+    assert f"{floor:.5f}" == "0.10287"
+    with pytest.raises(ConfigError) as refused:
+        _private(4, target_epsilon=0.01)
+    assert str(refused.value) == (
+        "dp.target_epsilon = 0.01: no noise multiplier up to 1e+06 reaches epsilon 0.01 at delta 1e-05; the smallest "
+        "epsilon this run can reach, the rdp accountant's at noise multiplier 1e+06, is 0.10287 (4 steps at sample "
+        "rate 0.016); raise dp.target_epsilon to 0.1029 or more (or dp.delta)"
+    )
+    assert 0.1029 - 0.01 <= _train_in_pieces([(4, 4, 0.1029)]).accountant.get_epsilon(1e-5) <= 0.1029
 
 
 def test_norm_statistics_match_torch_quantile():

@@ -10,6 +10,7 @@ from torch import nn
 
 from torchtitan.components.checkpoint import ResumeRefusedError
 from torchtitan.components.checkpoint_reader import read_checkpoint_metadata
+from torchtitan.config_validation import ConfigError
 from torchtitan.tools.logging import logger
 
 
@@ -29,13 +30,19 @@ class PrivateTraining:
     def __init__(self, dp_config, model: nn.Module, dataset_size: int, global_batch: int, total_steps: int, mesh,
                  seed: int):  # fmt: skip
         from torchtitan.dp import DPEngine, PrivacyAccountant, calibrate_noise_multiplier
+        from torchtitan.dp.accountant import UnreachableEpsilonError
 
         self.config = dp_config
         self.sample_rate = global_batch / dataset_size
         sigma = dp_config.noise_multiplier
         if dp_config.target_epsilon > 0:
-            sigma = calibrate_noise_multiplier(dp_config.target_epsilon, dp_config.delta, self.sample_rate,
-                                               total_steps, dp_config.accountant)  # fmt: skip
+            try:
+                sigma = calibrate_noise_multiplier(dp_config.target_epsilon, dp_config.delta, self.sample_rate,
+                                                   total_steps, dp_config.accountant)  # fmt: skip
+            except UnreachableEpsilonError as e:
+                raise ConfigError(f"dp.target_epsilon = {dp_config.target_epsilon:g}: "
+                                  f"{unreachable(e, f'{total_steps} steps at sample rate {self.sample_rate:.3g}')}"
+                                  ) from e  # fmt: skip
             logger.info(f"dp: noise_multiplier {sigma:.4f} reaches epsilon {dp_config.target_epsilon} at delta "
                         f"{dp_config.delta} after {total_steps} steps")  # fmt: skip
         # What sigma is and what it was calibrated for, checkpointed: a resume reuses it, or recalibrates the rest.
@@ -144,7 +151,7 @@ def resume_noise_multiplier(saved: dict | None, current: dict, accountant) -> fl
     Raises:
         ResumeRefusedError: the steps done already spend the target, or no finite sigma reaches it.
     """
-    from torchtitan.dp.accountant import calibrate_remaining_noise_multiplier
+    from torchtitan.dp.accountant import UnreachableEpsilonError, calibrate_remaining_noise_multiplier
 
     if saved is None:  # written before the record was kept: its last sigma, and the rest recalibrated
         last = accountant.history[-1][0] if accountant.history else current["noise_multiplier"]
@@ -170,12 +177,18 @@ def resume_noise_multiplier(saved: dict | None, current: dict, accountant) -> fl
         sigma = calibrate_remaining_noise_multiplier(target, delta, accountant.history, current["sample_rate"],
                                                      remaining, current["accountant"],
                                                      start=saved["noise_multiplier"])  # fmt: skip
-    except ValueError as e:
-        raise ResumeRefusedError(f"dp.target_epsilon: {e} ({figures})") from e
+    except UnreachableEpsilonError as e:
+        raise ResumeRefusedError(f"dp.target_epsilon: {unreachable(e, figures)}") from e
     logger.warning(f"dp: resumed with a changed config ({', '.join(changes)}): noise_multiplier "
                    f"{saved['noise_multiplier']:.4f} -> {sigma:.4f} for the remaining {remaining} steps, so that the "
                    f"whole run ends at epsilon {target:g} or below ({done} steps done spent {spent:.4f})")  # fmt: skip
     return sigma
+
+
+def unreachable(error, figures: str) -> str:
+    """Why no noise multiplier reaches dp.target_epsilon (an UnreachableEpsilonError), the run's `figures`, and the
+    remedy: the message of a fresh run's refusal and of a resume's."""
+    return f"{error} ({figures}); raise dp.target_epsilon to {error.reachable_target:g} or more (or dp.delta)"
 
 
 def gather_kept(norms: torch.Tensor, kept: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
