@@ -265,6 +265,42 @@ def test_a_target_epsilon_no_noise_reaches_is_refused_by_name():
     assert 0.1029 - 0.01 <= _train_in_pieces([(4, 4, 0.1029)]).accountant.get_epsilon(1e-5) <= 0.1029
 
 
+def _one_step(private: PrivateTraining) -> None:
+    """A clipped, noised backward of the nn.Linear(2, 1) of `_private` on 4 samples, and the step's accounting."""
+    model = private.engine.model
+    private.backward(model(torch.ones(4, 2)).square().squeeze(1), None, last_micro_batch=True)
+    private.step_done()
+
+
+def test_a_resume_logs_only_the_noise_multiplier_it_uses(caplog):
+    """A fresh run logs its calibrated sigma once; a resume logs the sigma it continues with, never the fresh
+    calibration first (it logged both: "noise_multiplier 1.1 reaches epsilon 2" and then "1.2 -> 1.3")."""
+
+    def sigmas_logged(build) -> tuple[PrivateTraining, list[str]]:
+        caplog.clear()
+        with caplog.at_level("INFO", logger=logger.name):
+            private = build()
+            _one_step(private)
+            _one_step(private)
+        return private, [r.getMessage() for r in caplog.records if re.search(r"sigma|noise_multiplier", r.getMessage())]
+
+    fresh, logged = sigmas_logged(lambda: _private(6))
+    assert logged == [f"dp: noise_multiplier {fresh.noise_multiplier:.4f} reaches epsilon 2.0 at delta 1e-05 after 6 "
+                      "steps"]  # fmt: skip
+    state = fresh.state_dict()
+    resumed, logged = sigmas_logged(lambda: _private(8, state=state))
+    assert logged == [f"dp: resumed with a changed config (training.steps 6 -> 8): noise_multiplier "
+                      f"{fresh.noise_multiplier:.4f} -> {resumed.noise_multiplier:.4f} for the remaining 6 steps, so "
+                      "that the whole run ends at epsilon 2 or below (2 steps done spent "
+                      f"{fresh.accountant.get_epsilon(1e-5):.4f})"]  # fmt: skip
+    _, logged = sigmas_logged(lambda: _private(8, state=resumed.state_dict()))
+    assert logged == [f"dp: resumed with the recorded noise_multiplier {resumed.noise_multiplier:.4f} (calibrated for "
+                      "epsilon 2 after 8 steps)"]  # fmt: skip
+    _, logged = sigmas_logged(lambda: _private(8, target_epsilon=0.0, noise_multiplier=0.9, state=state))
+    assert logged == ["dp: mode ghost, C 1.0, sigma 0.9000, q 0.016, rdp accountant, shuffled fixed-size batches: "
+                      "epsilon is the customary approximation, not a guarantee"]  # fmt: skip
+
+
 def test_norm_statistics_match_torch_quantile():
     torch.manual_seed(0)
     for n in (1, 2, 7, 20, 1001):

@@ -35,6 +35,8 @@ class PrivateTraining:
         self.config = dp_config
         self.sample_rate = global_batch / dataset_size
         sigma = dp_config.noise_multiplier
+        # The calibrated sigma's log line waits for the first backward: a resume replaces sigma (and logs its own).
+        self._sigma_note = None
         if dp_config.target_epsilon > 0:
             try:
                 sigma = calibrate_noise_multiplier(dp_config.target_epsilon, dp_config.delta, self.sample_rate,
@@ -43,8 +45,8 @@ class PrivateTraining:
                 raise ConfigError(f"dp.target_epsilon = {dp_config.target_epsilon:g}: "
                                   f"{unreachable(e, f'{total_steps} steps at sample rate {self.sample_rate:.3g}')}"
                                   ) from e  # fmt: skip
-            logger.info(f"dp: noise_multiplier {sigma:.4f} reaches epsilon {dp_config.target_epsilon} at delta "
-                        f"{dp_config.delta} after {total_steps} steps")  # fmt: skip
+            self._sigma_note = (f"dp: noise_multiplier {sigma:.4f} reaches epsilon {dp_config.target_epsilon} at "
+                                f"delta {dp_config.delta} after {total_steps} steps")  # fmt: skip
         # What sigma is and what it was calibrated for, checkpointed: a resume reuses it, or recalibrates the rest.
         self.calibration = {"noise_multiplier": float(sigma), "target_epsilon": float(dp_config.target_epsilon),
                             "delta": float(dp_config.delta), "total_steps": int(total_steps),
@@ -61,14 +63,18 @@ class PrivateTraining:
             if dp_config.sampling == "poisson"
             else "shuffled fixed-size batches: epsilon is the customary approximation, not a guarantee"
         )
-        logger.info(f"dp: mode {dp_config.mode}, C {dp_config.max_grad_norm}, sigma {sigma:.4f}, "
-                    f"q {self.sample_rate:.3g}, {dp_config.accountant} accountant, {assumption}")  # fmt: skip
+        fixed = "" if self._sigma_note else f"sigma {sigma:.4f}, "  # a fixed dp.noise_multiplier is the one used
+        logger.info(f"dp: mode {dp_config.mode}, C {dp_config.max_grad_norm}, {fixed}q {self.sample_rate:.3g}, "
+                    f"{dp_config.accountant} accountant, {assumption}")  # fmt: skip
 
     def backward(self, losses: torch.Tensor, mask: torch.Tensor | None, last_micro_batch: bool,
                  on_norms=None) -> None:  # fmt: skip
         """Clipped, noised backward; the noise comes once per optimizer step (with the last micro-batch). Keeps the
         per-sample norms for `metrics()`. `on_norms` is called between the norm pass and the clipped gradients (the
         step's "dp_norms" stage)."""
+        if self._sigma_note:  # no checkpoint replaced the calibrated sigma: it is the one used
+            logger.info(self._sigma_note)
+            self._sigma_note = None
         norms = self.engine.backward(losses, mask=mask, add_noise=last_micro_batch, on_norms=on_norms)
         if norms is not None:  # (B,) per sample, also with augmult's (B, K) losses
             self._norms.append((norms.detach().float(), mask))
@@ -121,6 +127,7 @@ class PrivateTraining:
         self.engine.load_state_dict(state["engine"])
         self.accountant.load_state_dict(state["accountant"])
         if self.config.target_epsilon > 0:  # a fixed dp.noise_multiplier is used as configured
+            self._sigma_note = None  # resume_noise_multiplier logs the sigma the run continues with
             self._set_noise_multiplier(resume_noise_multiplier(state.get("calibration"), self.calibration,
                                                                self.accountant))  # fmt: skip
 
