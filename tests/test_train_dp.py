@@ -172,13 +172,13 @@ def test_norm_statistics_cover_every_real_sample_since_the_last_log(augmult):
 
 
 def _private(total_steps: int, target_epsilon: float = 2.0, noise_multiplier: float = 1.0, accountant: str = "rdp",
-             state: dict | None = None) -> PrivateTraining:  # fmt: skip
+             state: dict | None = None, seq_len: int = 0) -> PrivateTraining:  # fmt: skip
     """A run's PrivateTraining at q = 16 / 1000, resumed from `state` if given (as the checkpoint load does)."""
     dp = JobConfig().dp
     dp.mode, dp.accountant = "ghost", accountant
     dp.target_epsilon, dp.noise_multiplier = target_epsilon, noise_multiplier
     private = PrivateTraining(dp, nn.Linear(2, 1), dataset_size=1000, global_batch=16, total_steps=total_steps,
-                              mesh=None, seed=0)  # fmt: skip
+                              mesh=None, seed=0, seq_len=seq_len)  # fmt: skip
     if state is not None:
         private.load_state_dict(state)
     return private
@@ -299,6 +299,24 @@ def test_a_resume_logs_only_the_noise_multiplier_it_uses(caplog):
     _, logged = sigmas_logged(lambda: _private(8, target_epsilon=0.0, noise_multiplier=0.9, state=state))
     assert logged == ["dp: mode ghost, C 1.0, sigma 0.9000, q 0.016, rdp accountant, shuffled fixed-size batches: "
                       "epsilon is the customary approximation, not a guarantee"]  # fmt: skip
+
+
+def test_a_language_model_resumed_with_another_seq_len_is_told_its_privacy_unit_changed(caplog):
+    """The privacy unit of an LM under DP-SGD is one example, a window of training.seq_len tokens: a resume with
+    another seq_len changes it, which the warning says (it said only that the data position restarts)."""
+    first = _private(6, seq_len=1024)
+    for _ in range(2):
+        first.step_done()
+    with caplog.at_level("WARNING", logger=logger.name):
+        _private(6, state=first.state_dict(), seq_len=1024)
+        assert not [r for r in caplog.records if r.getMessage().startswith("dp: ")]  # the same unit: nothing to say
+        _private(6, state=first.state_dict(), seq_len=512)
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("dp: ")] == [
+        "dp: training.seq_len changed (1024 -> 512), and with it the privacy unit, one example: the 2 steps done "
+        "protected windows of 1024 tokens, the steps to come protect windows of 512. The logged epsilon composes the "
+        "two as if they protected one unit, which holds for neither window length: a window of one length can span "
+        "two windows of the other, where the guarantee is group privacy's (weaker)"
+    ]
 
 
 def test_norm_statistics_match_torch_quantile():

@@ -95,7 +95,8 @@ class Trainer:
         self.private = None
         if cfg.dp.enable:
             self.private = PrivateTraining(cfg.dp, self.model, len(self.dataloader.dataset), self.global_batch,
-                                           cfg.training.steps, self.parallel_dims.mesh, cfg.debug.seed)  # fmt: skip
+                                           cfg.training.steps, self.parallel_dims.mesh, cfg.debug.seed,
+                                           seq_len=getattr(self.dataloader.dataset, "seq_len", 0))  # fmt: skip
         self._build_training_state()
         # After the checkpoint load: records an earlier run logged past the step this one starts from are dropped.
         self.metrics = MetricsLogger(cfg, self.dump_folder, self.rank, start_step=self.step)

@@ -25,15 +25,18 @@ class PrivateTraining:
         total_steps: training.steps (calibration of the noise to a target epsilon).
         mesh: the data-parallel DeviceMesh, or None for one process.
         seed: noise seed.
+        seq_len: the tokens of a text example (a language model's privacy unit is a window of seq_len tokens),
+            checkpointed: a resume with another one is told its privacy unit changed. 0 for images.
     """
 
     def __init__(self, dp_config, model: nn.Module, dataset_size: int, global_batch: int, total_steps: int, mesh,
-                 seed: int):  # fmt: skip
+                 seed: int, seq_len: int = 0):  # fmt: skip
         from torchtitan.dp import DPEngine, PrivacyAccountant, calibrate_noise_multiplier
         from torchtitan.dp.accountant import UnreachableEpsilonError
 
         self.config = dp_config
         self.sample_rate = global_batch / dataset_size
+        self.seq_len = int(seq_len)
         sigma = dp_config.noise_multiplier
         # The calibrated sigma's log line waits for the first backward: a resume replaces sigma (and logs its own).
         self._sigma_note = None
@@ -106,11 +109,11 @@ class PrivateTraining:
         """Sigma of the steps to come (the engine's noise and the accountant's record use the same)."""
         return self.engine.noise_multiplier
 
-    optional_keys = ("calibration",)  # checkpoints written before it was recorded resume too
+    optional_keys = ("calibration", "seq_len")  # checkpoints written before they were recorded resume too
 
     def state_dict(self) -> dict:
         return {"engine": self.engine.state_dict(), "accountant": self.accountant.state_dict(),
-                "calibration": dict(self.calibration)}  # fmt: skip
+                "calibration": dict(self.calibration), "seq_len": self.seq_len}  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
         """Restores the noise state and the accountant's history, then the noise multiplier of the steps to come:
@@ -126,10 +129,21 @@ class PrivateTraining:
                                      f"{self.config.accountant!r}")  # fmt: skip
         self.engine.load_state_dict(state["engine"])
         self.accountant.load_state_dict(state["accountant"])
+        self._warn_if_the_unit_changed(int(state.get("seq_len", 0)))
         if self.config.target_epsilon > 0:  # a fixed dp.noise_multiplier is used as configured
             self._sigma_note = None  # resume_noise_multiplier logs the sigma the run continues with
             self._set_noise_multiplier(resume_noise_multiplier(state.get("calibration"), self.calibration,
                                                                self.accountant))  # fmt: skip
+
+    def _warn_if_the_unit_changed(self, saved_seq_len: int) -> None:
+        """A language model's example, the unit DP-SGD protects, is a window of training.seq_len tokens."""
+        if saved_seq_len and self.seq_len and saved_seq_len != self.seq_len:
+            logger.warning(f"dp: training.seq_len changed ({saved_seq_len} -> {self.seq_len}), and with it the "
+                           f"privacy unit, one example: the {self.accountant.steps} steps done protected windows of "
+                           f"{saved_seq_len} tokens, the steps to come protect windows of {self.seq_len}. The logged "
+                           "epsilon composes the two as if they protected one unit, which holds for neither window "
+                           "length: a window of one length can span two windows of the other, where the guarantee is "
+                           "group privacy's (weaker)")  # fmt: skip
 
     def _set_noise_multiplier(self, sigma: float) -> None:
         self.calibration["noise_multiplier"] = self.engine.noise_multiplier = float(sigma)
