@@ -2,6 +2,7 @@
 torch.quantile), resume exact, FSDP equals one process, clear refusals."""
 
 import gc
+import json
 import math
 import os
 import re
@@ -17,6 +18,7 @@ from torch import nn
 from tests.conftest import TINY, read_metrics, run_train
 from torchtitan.components.checkpoint import ResumeRefusedError
 from torchtitan.config_manager import ConfigError, JobConfig
+from torchtitan.dp.sampling import PoissonBatchSampler
 from torchtitan.dp.testing import clipped_mean, per_sample_grads
 from torchtitan.dp.training import PrivateTraining, gather_kept, norm_statistics
 from torchtitan.tools.logging import logger
@@ -86,8 +88,10 @@ def test_dp_run_logs_epsilon_and_resumes_exactly(tmp_path, variant, train_in_pro
 def test_dp_run_logs_the_per_sample_norms_and_the_noised_grad_norm(tmp_path, train_in_process, capsys, monkeypatch):
     """Poisson batches (mostly padding here), two steps per log: the statistics' keys in every record, no
     `grad_norm`, and the clipped fraction in closed form at a tiny C (every sample) and a huge one (none). The
-    logged loss is the mean over the samples the step drew. Resumed with dp.enable false, the checkpoint is refused
-    by name (it used to fail on a missing loader key); with dp.continue_without_privacy it trains on without DP."""
+    logged loss is the mean over the samples the step drew; in the second run step 2 draws none: its loss is null
+    (it was a bare NaN in metrics.jsonl) and the record counts the window's empty steps. Resumed with dp.enable
+    false, the checkpoint is refused by name (it used to fail on a missing loader key); with
+    dp.continue_without_privacy it trains on without DP."""
     poisson = [*DP, "--training.local_batch_size", "16", "--dp.sampling", "poisson", "--metrics.log_freq", "2"]
     tiny = tmp_path / "1e-6"
     result = run_train([*poisson, "--dp.max_grad_norm", "1e-6", "--checkpoint.enable", "false",
@@ -102,18 +106,28 @@ def test_dp_run_logs_the_per_sample_norms_and_the_noised_grad_norm(tmp_path, tra
         drawn[self.step + 1] = losses[batch[2]]
         return losses
 
+    draw = PoissonBatchSampler.batch
     monkeypatch.setattr(Trainer, "forward_backward", recording)
+    monkeypatch.setattr(PoissonBatchSampler, "batch", lambda self, step: [] if step == 1 else draw(self, step))
     huge = [*poisson, "--dp.max_grad_norm", "1e6", "--job.dump_folder", str(tmp_path / "1e6")]
+    capsys.readouterr()
     assert train_in_process(huge) == 0
     monkeypatch.undo()
+    console = re.sub(r"\x1b\[[0-9;]*m", "", capsys.readouterr().err)  # colors off
+    assert re.search(r"step +2  empty step: drew no sample, no loss  .*  empty steps 1\n", console)
     for folder, fraction in ((tiny, 1.0), (tmp_path / "1e6", 0.0)):
-        metrics = read_metrics(folder)
+        lines = (folder / "metrics.jsonl").read_text().splitlines()
+        metrics = [json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in metrics.jsonl")) for line in lines]
         assert [m["step"] for m in metrics] == [2, 4]
         for m in metrics:
             assert "grad_norm" not in m  # under DP the logged norm is named for what it is
-            assert all(math.isfinite(m[k]) and m[k] > 0 for k in DP_KEYS if k != "dp_clipped_fraction")
+            assert all(
+                math.isfinite(m[k]) and m[k] > 0 for k in DP_KEYS if k != "dp_clipped_fraction" and m[k] is not None
+            )
             assert m["dp_clipped_fraction"] == fraction
-    for m in metrics:  # the mean over the drawn samples, not their sum over the expected batch (16)
+    assert [(m["dp_empty_steps"], len(drawn[m["step"]])) for m in metrics] == [(1, 0), (0, len(drawn[4]))]
+    assert metrics[0]["loss"] is None  # step 2 drew nothing
+    for m in metrics[1:]:  # the mean over the drawn samples, not their sum over the expected batch (16)
         assert m["loss"] == pytest.approx(drawn[m["step"]].mean().item(), rel=1e-6)
         assert len(drawn[m["step"]]) != 16
 
@@ -338,6 +352,12 @@ def _gather_worker(rank: int, port: int) -> None:
         kept = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 0, 1, 1, 1, 0]][rank], dtype=torch.bool)
         got = sorted(gather_kept(norms, kept, dist.group.WORLD).tolist())
         assert got == [0.0, 1.0, 2.0, 10.0, 12.0, 13.0, 14.0], got  # every rank's real samples, padding dropped
+        # A step is empty when no rank drew a sample: here step 2 only (in step 1 rank 1 drew one, rank 0 none).
+        private = _private(3, target_epsilon=0.0)
+        for drawn in ([[0, 0], [1, 0]], [[0, 0], [0, 0]], [[1, 1], [1, 0]]):
+            mask = torch.tensor(drawn[rank], dtype=torch.bool)
+            private.backward(private.engine.model(torch.ones(2, 2)).square().squeeze(1), mask, last_micro_batch=True)
+        assert private.metrics(dist.group.WORLD)["dp_empty_steps"] == 1
     finally:
         dist.destroy_process_group()
 

@@ -366,13 +366,14 @@ class Trainer:
         """The step's metrics. Under DP the gradient norm is the noised one the optimizer applies
         (`dp_noised_grad_norm`), and the per-sample norms before clipping are summarized over every sample since the
         last log (PrivateTraining.metrics: a collective over the data-parallel ranks). The loss is the mean over the
-        samples the step drew (under Poisson sampling their number varies; NaN if it drew none); a diffusion model's
+        samples the step drew (under Poisson sampling their number varies; None if it drew none, an empty step,
+        which the record shows as such and counts in dp_empty_steps); a diffusion model's
         `loss/t_bin_k` bin it by timestep over every sample since the last log (LossByTimestep, also a collective)."""
         totals = torch.stack([out["loss_sum"], out["loss_count"]])  # one all_reduce for both
         if dist.is_initialized():
             dist.all_reduce(totals, group=self.parallel_dims.dp_group())
         loss_sum, loss_count = totals.tolist()
-        loss = loss_sum / loss_count if loss_count else float("nan")
+        loss = loss_sum / loss_count if loss_count else None
         grad_norm_key = "dp_noised_grad_norm" if self.private is not None and self.private.noised else "grad_norm"
         metrics = {"loss": loss, grad_norm_key: out["grad_norm"].item(), "lr": out["lr"]}
         metrics.update(self.meter.summary())

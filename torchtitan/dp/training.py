@@ -61,6 +61,9 @@ class PrivateTraining:
         # (norms, mask) of each micro-batch since the last metrics(), kept on the device: reading them every step
         # would sync the host with the GPU.
         self._norms: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        # The samples each Poisson step drew on this rank (one micro-batch a step), on the device too: summed over
+        # the ranks in metrics(), they count the steps that drew none.
+        self._drawn: list[torch.Tensor] = []
         assumption = (
             "Poisson sampling: the accountant's assumption holds"
             if dp_config.sampling == "poisson"
@@ -81,6 +84,8 @@ class PrivateTraining:
         norms = self.engine.backward(losses, mask=mask, add_noise=last_micro_batch, on_norms=on_norms)
         if norms is not None:  # (B,) per sample, also with augmult's (B, K) losses
             self._norms.append((norms.detach().float(), mask))
+        if mask is not None:
+            self._drawn.append(mask.sum())
 
     @property
     def noised(self) -> bool:
@@ -93,7 +98,8 @@ class PrivateTraining:
     def metrics(self, group: dist.ProcessGroup | None = None) -> dict:
         """Epsilon spent so far, and the statistics of the per-sample gradient norms before clipping over every
         sample since the last call (every micro-batch and step, every rank of `group`; Poisson padding left out):
-        dp_grad_norm_mean, dp_grad_norm_p95 and dp_clipped_fraction (norm > dp.max_grad_norm). A collective when
+        dp_grad_norm_mean, dp_grad_norm_p95 and dp_clipped_fraction (norm > dp.max_grad_norm); under Poisson
+        sampling dp_empty_steps, the steps since the last call that drew no sample on any rank. A collective when
         `group` spans several ranks: every rank calls it at the same step."""
         out = {"dp_epsilon": self.accountant.get_epsilon(self.config.delta)}
         if self._norms:
@@ -102,6 +108,12 @@ class PrivateTraining:
                               for n, m in self._norms])  # fmt: skip
             self._norms = []
             out.update(norm_statistics(gather_kept(norms, kept, group), self.config.max_grad_norm))
+        if self._drawn:
+            drawn = torch.stack(self._drawn)  # (steps,) on this rank
+            self._drawn = []
+            if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+                dist.all_reduce(drawn, group=group)
+            out["dp_empty_steps"] = int((drawn == 0).sum())
         return out
 
     @property
