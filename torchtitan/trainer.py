@@ -38,6 +38,7 @@ from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.utils import full_tensor_random_init, torch_dtype
 from torchtitan.tools.batch_size_finder import resolve_local_batch_size
 from torchtitan.tools.logging import logger
+from torchtitan.tools.memory_estimate import check_memory
 from torchtitan.tools.utils import GarbageCollection, get_device, set_determinism, settle_sdpa_priority
 from torchtitan.train_spec import BatchLayout, build_model_args, get_train_spec
 
@@ -80,6 +81,7 @@ class Trainer:
         self.augmult = cfg.dp.augmult if cfg.dp.enable else 1
         self.train_spec = get_train_spec(cfg.model.name)
         self.model_args = build_model_args(self.train_spec, cfg)
+        check_memory(cfg, self.model_args, self.world_size, self.device)  # a CPU too small kills without a word
         self.model = self.build_model()
         layout = BatchLayout(self.dp_rank, self.dp_degree, self.grad_accum_steps, self.augmult, cfg.debug.seed,
                              self.device)  # fmt: skip
