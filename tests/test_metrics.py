@@ -78,3 +78,35 @@ def test_a_resumed_run_drops_the_records_an_earlier_run_logged_after_its_step(tm
     MetricsLogger(JobConfig(), tmp_path, rank=0, start_step=0).close()
     aside = [p for p in tmp_path.iterdir() if p.name.startswith("metrics.before-")]
     assert len(aside) == 1 and aside[0].read_text() == before and path.read_text() == ""
+
+
+def _strict(line: str) -> dict:
+    """json.loads that refuses Python's NaN / Infinity extension: what any other JSON reader refuses."""
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_an_empty_step_is_logged_as_empty_and_metrics_jsonl_is_strict_json(tmp_path, caplog):
+    """A Poisson step that drew no sample has no loss: null in metrics.jsonl (it was a bare NaN, not JSON, that read
+    as divergence), and the console line says the step was empty; the DP window's count of empty steps is shown. A
+    non-finite value (epsilon at sigma 0 is inf) is null in metrics.jsonl too, as it is shown on the console."""
+    logger = MetricsLogger(JobConfig(), tmp_path, rank=0)
+    logger.color = False
+    record = {"loss": None, "dp_noised_grad_norm": 2.5, "lr": 1e-3, "images_per_second": 5.0, "step_time_s": 0.1,
+              "data_time_s": 0.0, "dp_epsilon": float("inf"), "dp_empty_steps": 2}  # fmt: skip
+    with caplog.at_level("INFO"):
+        logger.log(4, record)
+        logger.log(5, {**record, "loss": 0.5, "dp_epsilon": 1.5, "dp_empty_steps": 0})
+    logger.close()
+    empty, full = (r.getMessage() for r in caplog.records[-2:])
+    assert empty.startswith("step      4  empty step: drew no sample, no loss  noised_grad_norm 2.500  ")
+    assert empty.endswith("  eps inf  empty steps 2")
+    assert full.startswith("step      5  loss 0.5000  ") and full.endswith("  eps 1.500")  # no empty step to count
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [_strict(line) for line in lines] == [
+        {"step": 4, **record, "dp_epsilon": None},
+        {"step": 5, **record, "loss": 0.5, "dp_epsilon": 1.5, "dp_empty_steps": 0},
+    ]

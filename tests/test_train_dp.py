@@ -2,6 +2,7 @@
 torch.quantile), resume exact, FSDP equals one process, clear refusals."""
 
 import gc
+import json
 import math
 import os
 import re
@@ -16,7 +17,8 @@ from torch import nn
 
 from tests.conftest import TINY, read_metrics, run_train
 from torchtitan.components.checkpoint import ResumeRefusedError
-from torchtitan.config_manager import JobConfig
+from torchtitan.config_manager import ConfigError, JobConfig
+from torchtitan.dp.sampling import PoissonBatchSampler
 from torchtitan.dp.testing import clipped_mean, per_sample_grads
 from torchtitan.dp.training import PrivateTraining, gather_kept, norm_statistics
 from torchtitan.tools.logging import logger
@@ -86,8 +88,10 @@ def test_dp_run_logs_epsilon_and_resumes_exactly(tmp_path, variant, train_in_pro
 def test_dp_run_logs_the_per_sample_norms_and_the_noised_grad_norm(tmp_path, train_in_process, capsys, monkeypatch):
     """Poisson batches (mostly padding here), two steps per log: the statistics' keys in every record, no
     `grad_norm`, and the clipped fraction in closed form at a tiny C (every sample) and a huge one (none). The
-    logged loss is the mean over the samples the step drew. Resumed with dp.enable false, the checkpoint is refused
-    by name (it used to fail on a missing loader key); with dp.continue_without_privacy it trains on without DP."""
+    logged loss is the mean over the samples the step drew; in the second run step 2 draws none: its loss is null
+    (it was a bare NaN in metrics.jsonl) and the record counts the window's empty steps. Resumed with dp.enable
+    false, the checkpoint is refused by name (it used to fail on a missing loader key); with
+    dp.continue_without_privacy it trains on without DP."""
     poisson = [*DP, "--training.local_batch_size", "16", "--dp.sampling", "poisson", "--metrics.log_freq", "2"]
     tiny = tmp_path / "1e-6"
     result = run_train([*poisson, "--dp.max_grad_norm", "1e-6", "--checkpoint.enable", "false",
@@ -102,18 +106,28 @@ def test_dp_run_logs_the_per_sample_norms_and_the_noised_grad_norm(tmp_path, tra
         drawn[self.step + 1] = losses[batch[2]]
         return losses
 
+    draw = PoissonBatchSampler.batch
     monkeypatch.setattr(Trainer, "forward_backward", recording)
+    monkeypatch.setattr(PoissonBatchSampler, "batch", lambda self, step: [] if step == 1 else draw(self, step))
     huge = [*poisson, "--dp.max_grad_norm", "1e6", "--job.dump_folder", str(tmp_path / "1e6")]
+    capsys.readouterr()
     assert train_in_process(huge) == 0
     monkeypatch.undo()
+    console = re.sub(r"\x1b\[[0-9;]*m", "", capsys.readouterr().err)  # colors off
+    assert re.search(r"step +2  empty step: drew no sample, no loss  .*  empty steps 1\n", console)
     for folder, fraction in ((tiny, 1.0), (tmp_path / "1e6", 0.0)):
-        metrics = read_metrics(folder)
+        lines = (folder / "metrics.jsonl").read_text().splitlines()
+        metrics = [json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in metrics.jsonl")) for line in lines]
         assert [m["step"] for m in metrics] == [2, 4]
         for m in metrics:
             assert "grad_norm" not in m  # under DP the logged norm is named for what it is
-            assert all(math.isfinite(m[k]) and m[k] > 0 for k in DP_KEYS if k != "dp_clipped_fraction")
+            assert all(
+                math.isfinite(m[k]) and m[k] > 0 for k in DP_KEYS if k != "dp_clipped_fraction" and m[k] is not None
+            )
             assert m["dp_clipped_fraction"] == fraction
-    for m in metrics:  # the mean over the drawn samples, not their sum over the expected batch (16)
+    assert [(m["dp_empty_steps"], len(drawn[m["step"]])) for m in metrics] == [(1, 0), (0, len(drawn[4]))]
+    assert metrics[0]["loss"] is None  # step 2 drew nothing
+    for m in metrics[1:]:  # the mean over the drawn samples, not their sum over the expected batch (16)
         assert m["loss"] == pytest.approx(drawn[m["step"]].mean().item(), rel=1e-6)
         assert len(drawn[m["step"]]) != 16
 
@@ -172,13 +186,13 @@ def test_norm_statistics_cover_every_real_sample_since_the_last_log(augmult):
 
 
 def _private(total_steps: int, target_epsilon: float = 2.0, noise_multiplier: float = 1.0, accountant: str = "rdp",
-             state: dict | None = None) -> PrivateTraining:  # fmt: skip
+             state: dict | None = None, seq_len: int = 0) -> PrivateTraining:  # fmt: skip
     """A run's PrivateTraining at q = 16 / 1000, resumed from `state` if given (as the checkpoint load does)."""
     dp = JobConfig().dp
     dp.mode, dp.accountant = "ghost", accountant
     dp.target_epsilon, dp.noise_multiplier = target_epsilon, noise_multiplier
     private = PrivateTraining(dp, nn.Linear(2, 1), dataset_size=1000, global_batch=16, total_steps=total_steps,
-                              mesh=None, seed=0)  # fmt: skip
+                              mesh=None, seed=0, seq_len=seq_len)  # fmt: skip
     if state is not None:
         private.load_state_dict(state)
     return private
@@ -248,6 +262,77 @@ def test_resume_past_the_privacy_budget_is_refused():
         _private(6, target_epsilon=0.0, accountant="prv", state=spent.state_dict())
 
 
+def test_a_target_epsilon_no_noise_reaches_is_refused_by_name():
+    """A fresh run whose dp.target_epsilon no noise multiplier reaches: one error naming the key and the smallest
+    epsilon the run can reach (it was a raw ValueError). Under RDP that is the conversion's floor as sigma grows:
+    Opacus's largest order, alpha = 63, gives log(62 / 63) - (log(delta) + log(63)) / 62 = 0.10287 at delta 1e-5,
+    whatever the steps (the accountant's epsilon at sigma 1e6 is within 1e-8 of it)."""
+    floor = math.log(62 / 63) - (math.log(1e-5) + math.log(63)) / 62
+    assert f"{floor:.5f}" == "0.10287"
+    with pytest.raises(ConfigError) as refused:
+        _private(4, target_epsilon=0.01)
+    assert str(refused.value) == (
+        "dp.target_epsilon = 0.01: no noise multiplier up to 1e+06 reaches epsilon 0.01 at delta 1e-05; the smallest "
+        "epsilon this run can reach, the rdp accountant's at noise multiplier 1e+06, is 0.10287 (4 steps at sample "
+        "rate 0.016); raise dp.target_epsilon to 0.1029 or more (or dp.delta)"
+    )
+    assert 0.1029 - 0.01 <= _train_in_pieces([(4, 4, 0.1029)]).accountant.get_epsilon(1e-5) <= 0.1029
+
+
+def _one_step(private: PrivateTraining) -> None:
+    """A clipped, noised backward of the nn.Linear(2, 1) of `_private` on 4 samples, and the step's accounting."""
+    model = private.engine.model
+    private.backward(model(torch.ones(4, 2)).square().squeeze(1), None, last_micro_batch=True)
+    private.step_done()
+
+
+def test_a_resume_logs_only_the_noise_multiplier_it_uses(caplog):
+    """A fresh run logs its calibrated sigma once; a resume logs the sigma it continues with, never the fresh
+    calibration first (it logged both: "noise_multiplier 1.1 reaches epsilon 2" and then "1.2 -> 1.3")."""
+
+    def sigmas_logged(build) -> tuple[PrivateTraining, list[str]]:
+        caplog.clear()
+        with caplog.at_level("INFO", logger=logger.name):
+            private = build()
+            _one_step(private)
+            _one_step(private)
+        return private, [r.getMessage() for r in caplog.records if re.search(r"sigma|noise_multiplier", r.getMessage())]
+
+    fresh, logged = sigmas_logged(lambda: _private(6))
+    assert logged == [f"dp: noise_multiplier {fresh.noise_multiplier:.4f} reaches epsilon 2.0 at delta 1e-05 after 6 "
+                      "steps"]  # fmt: skip
+    state = fresh.state_dict()
+    resumed, logged = sigmas_logged(lambda: _private(8, state=state))
+    assert logged == [f"dp: resumed with a changed config (training.steps 6 -> 8): noise_multiplier "
+                      f"{fresh.noise_multiplier:.4f} -> {resumed.noise_multiplier:.4f} for the remaining 6 steps, so "
+                      "that the whole run ends at epsilon 2 or below (2 steps done spent "
+                      f"{fresh.accountant.get_epsilon(1e-5):.4f})"]  # fmt: skip
+    _, logged = sigmas_logged(lambda: _private(8, state=resumed.state_dict()))
+    assert logged == [f"dp: resumed with the recorded noise_multiplier {resumed.noise_multiplier:.4f} (calibrated for "
+                      "epsilon 2 after 8 steps)"]  # fmt: skip
+    _, logged = sigmas_logged(lambda: _private(8, target_epsilon=0.0, noise_multiplier=0.9, state=state))
+    assert logged == ["dp: mode ghost, C 1.0, sigma 0.9000, q 0.016, rdp accountant, shuffled fixed-size batches: "
+                      "epsilon is the customary approximation, not a guarantee"]  # fmt: skip
+
+
+def test_a_language_model_resumed_with_another_seq_len_is_told_its_privacy_unit_changed(caplog):
+    """The privacy unit of an LM under DP-SGD is one example, a window of training.seq_len tokens: a resume with
+    another seq_len changes it, which the warning says (it said only that the data position restarts)."""
+    first = _private(6, seq_len=1024)
+    for _ in range(2):
+        first.step_done()
+    with caplog.at_level("WARNING", logger=logger.name):
+        _private(6, state=first.state_dict(), seq_len=1024)
+        assert not [r for r in caplog.records if r.getMessage().startswith("dp: ")]  # the same unit: nothing to say
+        _private(6, state=first.state_dict(), seq_len=512)
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("dp: ")] == [
+        "dp: training.seq_len changed (1024 -> 512), and with it the privacy unit, one example: the 2 steps done "
+        "protected windows of 1024 tokens, the steps to come protect windows of 512. The logged epsilon composes the "
+        "two as if they protected one unit, which holds for neither window length: a window of one length can span "
+        "two windows of the other, where the guarantee is group privacy's (weaker)"
+    ]
+
+
 def test_norm_statistics_match_torch_quantile():
     torch.manual_seed(0)
     for n in (1, 2, 7, 20, 1001):
@@ -267,6 +352,12 @@ def _gather_worker(rank: int, port: int) -> None:
         kept = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 0, 1, 1, 1, 0]][rank], dtype=torch.bool)
         got = sorted(gather_kept(norms, kept, dist.group.WORLD).tolist())
         assert got == [0.0, 1.0, 2.0, 10.0, 12.0, 13.0, 14.0], got  # every rank's real samples, padding dropped
+        # A step is empty when no rank drew a sample: here step 2 only (in step 1 rank 1 drew one, rank 0 none).
+        private = _private(3, target_epsilon=0.0)
+        for drawn in ([[0, 0], [1, 0]], [[0, 0], [0, 0]], [[1, 1], [1, 0]]):
+            mask = torch.tensor(drawn[rank], dtype=torch.bool)
+            private.backward(private.engine.model(torch.ones(2, 2)).square().squeeze(1), mask, last_micro_batch=True)
+        assert private.metrics(dist.group.WORLD)["dp_empty_steps"] == 1
     finally:
         dist.destroy_process_group()
 

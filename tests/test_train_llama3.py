@@ -64,7 +64,8 @@ def test_validation_reads_the_split_once_and_a_resume_checks_the_data(tmp_path, 
     """Trainers built in-process, no step taken. Validation with validation.steps past the held-out split's end
     counts each window once (against the mean over the split). Its checkpoint, resumed on a smaller copy of the
     data with another training.seq_len, warns naming both keys and restarts the data position (the weights carry
-    over); resumed with another tokenizer, train.py refuses in one error line naming model.tokenizer_path."""
+    over), and under DP that the privacy unit, a window of seq_len tokens, changed; resumed with another tokenizer,
+    train.py refuses in one error line naming model.tokenizer_path."""
     import torch.nn.functional as F
 
     from scripts.train_tokenizer import train_tokenizer
@@ -73,10 +74,11 @@ def test_validation_reads_the_split_once_and_a_resume_checks_the_data(tmp_path, 
     from torchtitan.trainer import Trainer
 
     data, smaller = _text_folder(tmp_path / "data", 12), _text_folder(tmp_path / "smaller", 6)
+    private = ["--dp.enable", "true", "--dp.noise_multiplier", "1.0"]  # the privacy unit is a window: told it changed
     logger.addHandler(caplog.handler)  # the project logger does not propagate to the root logger
     try:
         with caplog.at_level(logging.INFO, logger.name):
-            trainer = Trainer(parse_args(_text_args(tmp_path, data, "--training.seq_len", "16")))
+            trainer = Trainer(parse_args(_text_args(tmp_path, data, "--training.seq_len", "16", *private)))
             try:
                 with torch.no_grad():  # far from the near-uniform start, so that each window has a loss of its own
                     for param in trainer.model.parameters():
@@ -97,7 +99,7 @@ def test_validation_reads_the_split_once_and_a_resume_checks_the_data(tmp_path, 
             used = "validation: 3 batch(es) of 4 per rank, 10 of the split's 10 samples, each once; validation.steps"
             assert f"{used} = 50 reaches past its end" in caplog.text
 
-            resumed = Trainer(parse_args(_text_args(tmp_path, smaller, "--training.seq_len", "8")))
+            resumed = Trainer(parse_args(_text_args(tmp_path, smaller, "--training.seq_len", "8", *private)))
             try:
                 assert resumed.step == 3
                 fresh = DiffusionDataLoader(
@@ -110,6 +112,10 @@ def test_validation_reads_the_split_once_and_a_resume_checks_the_data(tmp_path, 
         logger.removeHandler(caplog.handler)
     assert (f"resumed on changed data: training.dataset_path (dataset_path: {data} -> {smaller}); training.seq_len "
             "(seq_len: 16 -> 8). The weights carry over") in caplog.text  # fmt: skip
+    assert (
+        "dp: training.seq_len changed (16 -> 8), and with it the privacy unit, one example: the 0 steps done "
+        "protected windows of 16 tokens, the steps to come protect windows of 8."
+    ) in caplog.text
 
     train_tokenizer(["a tokenizer of bytes with other ids"], 258, tmp_path / "bpe")  # the model's 258 rows
     spec = importlib.util.spec_from_file_location("train", ROOT / "train.py")
@@ -118,7 +124,8 @@ def test_validation_reads_the_split_once_and_a_resume_checks_the_data(tmp_path, 
     monkeypatch.setattr(train, "init_logger", lambda: None)  # keep the project logger as the other tests see it
     capsys.readouterr()
     bpe = str(tmp_path / "bpe" / "tokenizer.json")
-    assert train.main(_text_args(tmp_path, data, "--training.seq_len", "16", "--model.tokenizer_path", bpe)) == 2
+    assert train.main(_text_args(tmp_path, data, "--training.seq_len", "16", *private, "--model.tokenizer_path",
+                                 bpe)) == 2  # fmt: skip
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("error: model.tokenizer_path: the checkpoint was trained with the tokenizer bytes "), last
     assert f"this run has {bpe} (sha1 " in last and "would stand for other text" in last

@@ -218,6 +218,9 @@ class Training:
     """Steps between Python garbage collections (0: never; automatic GC stays off either way)."""
     seq_len: int = 2048
     """Tokens per sequence (language models): packed windows of the text, or the synthetic classification length."""
+    skip_memory_check: bool = False
+    """Train even when the memory estimate says a rank needs more than it has (more than 1.2x the device's total
+    memory, or on CPU the host's available RAM): that run is refused by default, before the model is built."""
     dataloader: DataLoader = field(default_factory=DataLoader)
 
 

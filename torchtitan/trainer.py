@@ -38,6 +38,7 @@ from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.utils import full_tensor_random_init, torch_dtype
 from torchtitan.tools.batch_size_finder import resolve_local_batch_size
 from torchtitan.tools.logging import logger
+from torchtitan.tools.memory_estimate import check_memory
 from torchtitan.tools.utils import GarbageCollection, get_device, set_determinism, settle_sdpa_priority
 from torchtitan.train_spec import BatchLayout, build_model_args, get_train_spec
 
@@ -80,6 +81,7 @@ class Trainer:
         self.augmult = cfg.dp.augmult if cfg.dp.enable else 1
         self.train_spec = get_train_spec(cfg.model.name)
         self.model_args = build_model_args(self.train_spec, cfg)
+        check_memory(cfg, self.model_args, self.world_size, self.device)  # a CPU too small kills without a word
         self.model = self.build_model()
         layout = BatchLayout(self.dp_rank, self.dp_degree, self.grad_accum_steps, self.augmult, cfg.debug.seed,
                              self.device)  # fmt: skip
@@ -95,7 +97,8 @@ class Trainer:
         self.private = None
         if cfg.dp.enable:
             self.private = PrivateTraining(cfg.dp, self.model, len(self.dataloader.dataset), self.global_batch,
-                                           cfg.training.steps, self.parallel_dims.mesh, cfg.debug.seed)  # fmt: skip
+                                           cfg.training.steps, self.parallel_dims.mesh, cfg.debug.seed,
+                                           seq_len=getattr(self.dataloader.dataset, "seq_len", 0))  # fmt: skip
         self._build_training_state()
         # After the checkpoint load: records an earlier run logged past the step this one starts from are dropped.
         self.metrics = MetricsLogger(cfg, self.dump_folder, self.rank, start_step=self.step)
@@ -365,13 +368,14 @@ class Trainer:
         """The step's metrics. Under DP the gradient norm is the noised one the optimizer applies
         (`dp_noised_grad_norm`), and the per-sample norms before clipping are summarized over every sample since the
         last log (PrivateTraining.metrics: a collective over the data-parallel ranks). The loss is the mean over the
-        samples the step drew (under Poisson sampling their number varies; NaN if it drew none); a diffusion model's
+        samples the step drew (under Poisson sampling their number varies; None if it drew none, an empty step,
+        which the record shows as such and counts in dp_empty_steps); a diffusion model's
         `loss/t_bin_k` bin it by timestep over every sample since the last log (LossByTimestep, also a collective)."""
         totals = torch.stack([out["loss_sum"], out["loss_count"]])  # one all_reduce for both
         if dist.is_initialized():
             dist.all_reduce(totals, group=self.parallel_dims.dp_group())
         loss_sum, loss_count = totals.tolist()
-        loss = loss_sum / loss_count if loss_count else float("nan")
+        loss = loss_sum / loss_count if loss_count else None
         grad_norm_key = "dp_noised_grad_norm" if self.private is not None and self.private.noised else "grad_norm"
         metrics = {"loss": loss, grad_norm_key: out["grad_norm"].item(), "lr": out["lr"]}
         metrics.update(self.meter.summary())

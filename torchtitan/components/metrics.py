@@ -1,6 +1,7 @@
 """Metrics to the console, metrics.jsonl, TensorBoard and wandb; MFU from the analytic FLOP count."""
 
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -32,6 +33,7 @@ _NAMESPACED = {
     "dp_grad_norm_mean": "dp/grad_norm_mean",
     "dp_grad_norm_p95": "dp/grad_norm_p95",
     "dp_clipped_fraction": "dp/clipped_fraction",
+    "dp_empty_steps": "dp/empty_steps",
 }
 
 
@@ -126,12 +128,18 @@ class MetricsLogger:
             return None
 
     def log(self, step: int, metrics: dict) -> None:
+        """One record: the console line, a line of metrics.jsonl, the scalars to TensorBoard and wandb. A value of
+        None has no number (a training step that drew no sample has no loss): null in metrics.jsonl, left out of
+        the scalars. metrics.jsonl is strict JSON: a non-finite number (epsilon at sigma 0 is inf) is null there,
+        shown as it is on the console."""
         if not self.enabled:
             return
-        record = {"step": step, **{k: v for k, v in metrics.items() if v is not None}}
+        record = {"step": step, **metrics}
         logger.info(self._console_line(record))
         scalars = {_NAMESPACED.get(k, k): v for k, v in record.items() if k != "step" and isinstance(v, int | float)}
-        self._guarded("jsonl", lambda: (self.jsonl.write(json.dumps(record) + "\n"), self.jsonl.flush()))
+        strict = {k: _json_number(v) for k, v in record.items()}
+        self._guarded("jsonl", lambda: (self.jsonl.write(json.dumps(strict, allow_nan=False) + "\n"),
+                                        self.jsonl.flush()))  # fmt: skip
         self._guarded("tb", lambda: [self.tb.add_scalar(key, value, step) for key, value in scalars.items()])
         self._guarded("wandb", lambda: self.wandb.log(scalars, step=step))
 
@@ -163,7 +171,10 @@ class MetricsLogger:
                 parts.append(f"{r['validation/fid_samples']} samples in {r['validation/fid_seconds']:.1f}s "
                              f"({r['validation/fid_images_per_second']:.1f} images/s)")  # fmt: skip
             return "  ".join(parts)
-        parts = [c(31, f"step {r['step']:>6}"), c(32, f"loss {r['loss']:.4f}")]
+        if r["loss"] is None:  # a Poisson batch can be empty: no loss, and no divergence either
+            parts = [c(31, f"step {r['step']:>6}"), c(32, "empty step: drew no sample, no loss")]
+        else:
+            parts = [c(31, f"step {r['step']:>6}"), c(32, f"loss {r['loss']:.4f}")]
         if "dp_noised_grad_norm" in r:  # under DP: the norm of the clipped, noised gradient the optimizer applies
             parts.append(c(33, f"noised_grad_norm {r['dp_noised_grad_norm']:.3f}"))
         else:
@@ -184,6 +195,8 @@ class MetricsLogger:
         if "dp_grad_norm_mean" in r:  # per-sample norms before clipping since the last log: what C is tuned by
             parts.append(c(33, f"sample_norm mean {r['dp_grad_norm_mean']:.3f} p95 {r['dp_grad_norm_p95']:.3f} "
                                f"clipped {100 * r['dp_clipped_fraction']:.1f}%"))  # fmt: skip
+        if r.get("dp_empty_steps"):  # Poisson steps since the last log that drew no sample
+            parts.append(f"empty steps {r['dp_empty_steps']}")
         return "  ".join(parts)
 
     def log_image(self, step: int, path: Path, tag: str = "samples") -> None:
@@ -209,6 +222,11 @@ class MetricsLogger:
             self.jsonl.close()
         self._guarded("tb", self.tb.close if self.tb is not None else None)
         self._guarded("wandb", self.wandb.finish if self.wandb is not None else None)
+
+
+def _json_number(value):
+    """A value as strict JSON holds it: null for NaN and the infinities (json.dumps would write NaN, Infinity)."""
+    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def drop_records_after(path: Path, step: int) -> int:

@@ -8,6 +8,7 @@ fixed-size batches the same numbers are the customary approximation, not a guara
 import functools
 import logging
 import math
+import warnings
 
 from opacus.accountants import create_accountant
 
@@ -15,6 +16,29 @@ logger = logging.getLogger(__name__)
 
 ACCOUNTANTS = ("rdp", "prv")
 MAX_NOISE_MULTIPLIER = 1e6  # where Opacus's get_noise_multiplier gives up too
+
+
+class UnreachableEpsilonError(ValueError):
+    """No noise multiplier up to MAX_NOISE_MULTIPLIER keeps the run within the target epsilon.
+
+    Attributes:
+        target_epsilon, delta, accountant: what was asked.
+        smallest: the epsilon the run spends at MAX_NOISE_MULTIPLIER, the least it can reach. Under RDP that is the
+            floor of the conversion to (epsilon, delta) as sigma grows, min over Opacus's orders alpha of
+            log((alpha - 1) / alpha) - (log(delta) + log(alpha)) / (alpha - 1) (0.10287 at delta 1e-5, from its
+            largest order, 63), plus what a history spent.
+    """
+
+    def __init__(self, target_epsilon: float, delta: float, accountant: str, smallest: float):
+        self.target_epsilon, self.delta, self.accountant, self.smallest = target_epsilon, delta, accountant, smallest
+        super().__init__(f"no noise multiplier up to {MAX_NOISE_MULTIPLIER:g} reaches epsilon {target_epsilon:g} "
+                         f"at delta {delta:g}; the smallest epsilon this run can reach, the {accountant} accountant's "
+                         f"at noise multiplier {MAX_NOISE_MULTIPLIER:g}, is {smallest:.5g}")  # fmt: skip
+
+    @property
+    def reachable_target(self) -> float:
+        """`smallest` rounded up to 4 decimals: a dp.target_epsilon to suggest."""
+        return math.ceil(self.smallest * 1e4) / 1e4
 
 
 class PrivacyAccountant:
@@ -105,22 +129,24 @@ def calibrate_remaining_noise_multiplier(
     falsi (Illinois); the returned sigma is always one the accountant found within the target.
 
     Raises:
-        ValueError: no noise multiplier up to MAX_NOISE_MULTIPLIER reaches target_epsilon (the history alone spends
-            it, or nearly).
+        UnreachableEpsilonError: no noise multiplier up to MAX_NOISE_MULTIPLIER reaches target_epsilon (below the
+            accountant's floor, or the history alone spends it, or nearly); it says the smallest epsilon reachable.
     """
     calculator = create_accountant(mechanism=accountant)
 
     def excess(sigma: float) -> float:  # the whole run's epsilon over the target
         calculator.history = [tuple(h) for h in history] + [(sigma, sample_rate, steps)]
-        return float(calculator.get_epsilon(delta=delta)) - target_epsilon
+        with warnings.catch_warnings():  # at a large sigma RDP's best order is its largest: Opacus warns, needlessly
+            warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
+            return float(calculator.get_epsilon(delta=delta)) - target_epsilon
 
-    # The bracket: low spends more than the target, high does not.
-    low = high = float(start) if start > 0 else 1.0
+    # The bracket: low spends more than the target, high does not. MAX_NOISE_MULTIPLIER itself is the last tried.
+    low = high = min(float(start), MAX_NOISE_MULTIPLIER) if start > 0 else 1.0
     low_excess = high_excess = excess(high)
     while high_excess > 0:
-        low, low_excess, high = high, high_excess, 2 * high
-        if high > MAX_NOISE_MULTIPLIER:
-            raise ValueError(f"no noise multiplier up to {MAX_NOISE_MULTIPLIER:g} reaches epsilon {target_epsilon}")
+        if high >= MAX_NOISE_MULTIPLIER:
+            raise UnreachableEpsilonError(target_epsilon, delta, accountant, target_epsilon + high_excess)
+        low, low_excess, high = high, high_excess, min(2 * high, MAX_NOISE_MULTIPLIER)
         high_excess = excess(high)
     while low_excess <= 0:
         if low_excess >= -tolerance:

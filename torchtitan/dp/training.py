@@ -10,6 +10,7 @@ from torch import nn
 
 from torchtitan.components.checkpoint import ResumeRefusedError
 from torchtitan.components.checkpoint_reader import read_checkpoint_metadata
+from torchtitan.config_validation import ConfigError
 from torchtitan.tools.logging import logger
 
 
@@ -24,20 +25,31 @@ class PrivateTraining:
         total_steps: training.steps (calibration of the noise to a target epsilon).
         mesh: the data-parallel DeviceMesh, or None for one process.
         seed: noise seed.
+        seq_len: the tokens of a text example (a language model's privacy unit is a window of seq_len tokens),
+            checkpointed: a resume with another one is told its privacy unit changed. 0 for images.
     """
 
     def __init__(self, dp_config, model: nn.Module, dataset_size: int, global_batch: int, total_steps: int, mesh,
-                 seed: int):  # fmt: skip
+                 seed: int, seq_len: int = 0):  # fmt: skip
         from torchtitan.dp import DPEngine, PrivacyAccountant, calibrate_noise_multiplier
+        from torchtitan.dp.accountant import UnreachableEpsilonError
 
         self.config = dp_config
         self.sample_rate = global_batch / dataset_size
+        self.seq_len = int(seq_len)
         sigma = dp_config.noise_multiplier
+        # The calibrated sigma's log line waits for the first backward: a resume replaces sigma (and logs its own).
+        self._sigma_note = None
         if dp_config.target_epsilon > 0:
-            sigma = calibrate_noise_multiplier(dp_config.target_epsilon, dp_config.delta, self.sample_rate,
-                                               total_steps, dp_config.accountant)  # fmt: skip
-            logger.info(f"dp: noise_multiplier {sigma:.4f} reaches epsilon {dp_config.target_epsilon} at delta "
-                        f"{dp_config.delta} after {total_steps} steps")  # fmt: skip
+            try:
+                sigma = calibrate_noise_multiplier(dp_config.target_epsilon, dp_config.delta, self.sample_rate,
+                                                   total_steps, dp_config.accountant)  # fmt: skip
+            except UnreachableEpsilonError as e:
+                raise ConfigError(f"dp.target_epsilon = {dp_config.target_epsilon:g}: "
+                                  f"{unreachable(e, f'{total_steps} steps at sample rate {self.sample_rate:.3g}')}"
+                                  ) from e  # fmt: skip
+            self._sigma_note = (f"dp: noise_multiplier {sigma:.4f} reaches epsilon {dp_config.target_epsilon} at "
+                                f"delta {dp_config.delta} after {total_steps} steps")  # fmt: skip
         # What sigma is and what it was calibrated for, checkpointed: a resume reuses it, or recalibrates the rest.
         self.calibration = {"noise_multiplier": float(sigma), "target_epsilon": float(dp_config.target_epsilon),
                             "delta": float(dp_config.delta), "total_steps": int(total_steps),
@@ -49,22 +61,31 @@ class PrivateTraining:
         # (norms, mask) of each micro-batch since the last metrics(), kept on the device: reading them every step
         # would sync the host with the GPU.
         self._norms: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        # The samples each Poisson step drew on this rank (one micro-batch a step), on the device too: summed over
+        # the ranks in metrics(), they count the steps that drew none.
+        self._drawn: list[torch.Tensor] = []
         assumption = (
             "Poisson sampling: the accountant's assumption holds"
             if dp_config.sampling == "poisson"
             else "shuffled fixed-size batches: epsilon is the customary approximation, not a guarantee"
         )
-        logger.info(f"dp: mode {dp_config.mode}, C {dp_config.max_grad_norm}, sigma {sigma:.4f}, "
-                    f"q {self.sample_rate:.3g}, {dp_config.accountant} accountant, {assumption}")  # fmt: skip
+        fixed = "" if self._sigma_note else f"sigma {sigma:.4f}, "  # a fixed dp.noise_multiplier is the one used
+        logger.info(f"dp: mode {dp_config.mode}, C {dp_config.max_grad_norm}, {fixed}q {self.sample_rate:.3g}, "
+                    f"{dp_config.accountant} accountant, {assumption}")  # fmt: skip
 
     def backward(self, losses: torch.Tensor, mask: torch.Tensor | None, last_micro_batch: bool,
                  on_norms=None) -> None:  # fmt: skip
         """Clipped, noised backward; the noise comes once per optimizer step (with the last micro-batch). Keeps the
         per-sample norms for `metrics()`. `on_norms` is called between the norm pass and the clipped gradients (the
         step's "dp_norms" stage)."""
+        if self._sigma_note:  # no checkpoint replaced the calibrated sigma: it is the one used
+            logger.info(self._sigma_note)
+            self._sigma_note = None
         norms = self.engine.backward(losses, mask=mask, add_noise=last_micro_batch, on_norms=on_norms)
         if norms is not None:  # (B,) per sample, also with augmult's (B, K) losses
             self._norms.append((norms.detach().float(), mask))
+        if mask is not None:
+            self._drawn.append(mask.sum())
 
     @property
     def noised(self) -> bool:
@@ -77,7 +98,8 @@ class PrivateTraining:
     def metrics(self, group: dist.ProcessGroup | None = None) -> dict:
         """Epsilon spent so far, and the statistics of the per-sample gradient norms before clipping over every
         sample since the last call (every micro-batch and step, every rank of `group`; Poisson padding left out):
-        dp_grad_norm_mean, dp_grad_norm_p95 and dp_clipped_fraction (norm > dp.max_grad_norm). A collective when
+        dp_grad_norm_mean, dp_grad_norm_p95 and dp_clipped_fraction (norm > dp.max_grad_norm); under Poisson
+        sampling dp_empty_steps, the steps since the last call that drew no sample on any rank. A collective when
         `group` spans several ranks: every rank calls it at the same step."""
         out = {"dp_epsilon": self.accountant.get_epsilon(self.config.delta)}
         if self._norms:
@@ -86,6 +108,12 @@ class PrivateTraining:
                               for n, m in self._norms])  # fmt: skip
             self._norms = []
             out.update(norm_statistics(gather_kept(norms, kept, group), self.config.max_grad_norm))
+        if self._drawn:
+            drawn = torch.stack(self._drawn)  # (steps,) on this rank
+            self._drawn = []
+            if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+                dist.all_reduce(drawn, group=group)
+            out["dp_empty_steps"] = int((drawn == 0).sum())
         return out
 
     @property
@@ -93,11 +121,11 @@ class PrivateTraining:
         """Sigma of the steps to come (the engine's noise and the accountant's record use the same)."""
         return self.engine.noise_multiplier
 
-    optional_keys = ("calibration",)  # checkpoints written before it was recorded resume too
+    optional_keys = ("calibration", "seq_len")  # checkpoints written before they were recorded resume too
 
     def state_dict(self) -> dict:
         return {"engine": self.engine.state_dict(), "accountant": self.accountant.state_dict(),
-                "calibration": dict(self.calibration)}  # fmt: skip
+                "calibration": dict(self.calibration), "seq_len": self.seq_len}  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
         """Restores the noise state and the accountant's history, then the noise multiplier of the steps to come:
@@ -113,9 +141,21 @@ class PrivateTraining:
                                      f"{self.config.accountant!r}")  # fmt: skip
         self.engine.load_state_dict(state["engine"])
         self.accountant.load_state_dict(state["accountant"])
+        self._warn_if_the_unit_changed(int(state.get("seq_len", 0)))
         if self.config.target_epsilon > 0:  # a fixed dp.noise_multiplier is used as configured
+            self._sigma_note = None  # resume_noise_multiplier logs the sigma the run continues with
             self._set_noise_multiplier(resume_noise_multiplier(state.get("calibration"), self.calibration,
                                                                self.accountant))  # fmt: skip
+
+    def _warn_if_the_unit_changed(self, saved_seq_len: int) -> None:
+        """A language model's example, the unit DP-SGD protects, is a window of training.seq_len tokens."""
+        if saved_seq_len and self.seq_len and saved_seq_len != self.seq_len:
+            logger.warning(f"dp: training.seq_len changed ({saved_seq_len} -> {self.seq_len}), and with it the "
+                           f"privacy unit, one example: the {self.accountant.steps} steps done protected windows of "
+                           f"{saved_seq_len} tokens, the steps to come protect windows of {self.seq_len}. The logged "
+                           "epsilon composes the two as if they protected one unit, which holds for neither window "
+                           "length: a window of one length can span two windows of the other, where the guarantee is "
+                           "group privacy's (weaker)")  # fmt: skip
 
     def _set_noise_multiplier(self, sigma: float) -> None:
         self.calibration["noise_multiplier"] = self.engine.noise_multiplier = float(sigma)
@@ -144,7 +184,7 @@ def resume_noise_multiplier(saved: dict | None, current: dict, accountant) -> fl
     Raises:
         ResumeRefusedError: the steps done already spend the target, or no finite sigma reaches it.
     """
-    from torchtitan.dp.accountant import calibrate_remaining_noise_multiplier
+    from torchtitan.dp.accountant import UnreachableEpsilonError, calibrate_remaining_noise_multiplier
 
     if saved is None:  # written before the record was kept: its last sigma, and the rest recalibrated
         last = accountant.history[-1][0] if accountant.history else current["noise_multiplier"]
@@ -170,12 +210,18 @@ def resume_noise_multiplier(saved: dict | None, current: dict, accountant) -> fl
         sigma = calibrate_remaining_noise_multiplier(target, delta, accountant.history, current["sample_rate"],
                                                      remaining, current["accountant"],
                                                      start=saved["noise_multiplier"])  # fmt: skip
-    except ValueError as e:
-        raise ResumeRefusedError(f"dp.target_epsilon: {e} ({figures})") from e
+    except UnreachableEpsilonError as e:
+        raise ResumeRefusedError(f"dp.target_epsilon: {unreachable(e, figures)}") from e
     logger.warning(f"dp: resumed with a changed config ({', '.join(changes)}): noise_multiplier "
                    f"{saved['noise_multiplier']:.4f} -> {sigma:.4f} for the remaining {remaining} steps, so that the "
                    f"whole run ends at epsilon {target:g} or below ({done} steps done spent {spent:.4f})")  # fmt: skip
     return sigma
+
+
+def unreachable(error, figures: str) -> str:
+    """Why no noise multiplier reaches dp.target_epsilon (an UnreachableEpsilonError), the run's `figures`, and the
+    remedy: the message of a fresh run's refusal and of a resume's."""
+    return f"{error} ({figures}); raise dp.target_epsilon to {error.reachable_target:g} or more (or dp.delta)"
 
 
 def gather_kept(norms: torch.Tensor, kept: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
