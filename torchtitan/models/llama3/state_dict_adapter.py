@@ -114,9 +114,11 @@ _IMPLEMENTED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False
 
 
 def _rope_scaling_from_hf(config: dict, source: str) -> tuple[float, RopeScaling | None]:
-    """(rope_theta, rope_scaling) from transformers 5's `rope_parameters` or the older `rope_theta` +
-    `rope_scaling`."""
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    """(rope_theta, rope_scaling) as transformers 5 reads them (RotaryEmbeddingConfigMixin.convert_rope_params_to_dict):
+    a non-empty `rope_scaling` replaces `rope_parameters` whole, and a theta missing from the dict taken comes from
+    the top-level `rope_theta`, else 10000."""
+    key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
+    rope = config.get(key) or {}
     theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
     if float(rope.get("partial_rotary_factor", config.get("partial_rotary_factor") or 1.0)) != 1.0:
         raise ValueError(f"{source}: partial_rotary_factor is not supported (Llama3 rotates every head dimension)")
@@ -124,10 +126,13 @@ def _rope_scaling_from_hf(config: dict, source: str) -> tuple[float, RopeScaling
     if kind == "default":
         return theta, None
     if kind != "llama3":
-        raise ValueError(f"{source}: rope type {kind!r} is not supported (only 'default' and 'llama3')")
+        both = key == "rope_scaling" and config.get("rope_parameters")
+        why = "; transformers reads rope_scaling, not rope_parameters, when config.json holds both" if both else ""
+        raise ValueError(f"{source}: {key}.rope_type {kind!r} is not supported (Llama3 implements 'default' and "
+                         f"'llama3'{why})")  # fmt: skip
     missing = [key for key in ("factor", "low_freq_factor", "high_freq_factor") if key not in rope]
     if missing:
-        raise ValueError(f"{source}: the 'llama3' rope scaling has no {missing}")
+        raise ValueError(f"{source}: the 'llama3' {key} has no {missing}")
     # transformers falls back to max_position_embeddings too (standardize_rope_params).
     original = rope.get("original_max_position_embeddings", config.get("max_position_embeddings", 2048))
     scaling = RopeScaling(
