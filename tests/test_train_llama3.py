@@ -169,13 +169,15 @@ def _tokens(seq_len: int = 24) -> torch.Tensor:
 
 @pytest.mark.parametrize("ac", ["none", "full"])
 def test_trainer_starts_from_a_hugging_face_folder(tmp_path, ac):
+    """The model takes config.json's numerics; with ac "none", its checkpoint then resumes with them (the
+    checkpoint records them), without the import keys, or with them and the folder gone."""
     from torchtitan.trainer import Trainer
 
     # Every numeric of config.json differs from the flavor's: the Trainer builds the model from config.json's.
     numerics = dict(rms_norm_eps=1e-6, max_position_embeddings=128, rope_parameters={**SCALED_ROPE, "rope_theta": 5e5})
     hf = _hf_folder(tmp_path / "hf", **numerics)
     trainer = Trainer(parse_args(_hf_args(tmp_path / "hf", "--activation_checkpoint.mode", ac,
-                                          "--validation.enable", "false")))  # fmt: skip
+                                          "--validation.enable", "false", "--checkpoint.enable", "true")))  # fmt: skip
     try:
         args = trainer.model_args
         assert (args.norm_eps, args.rope_theta, args.max_seq_len) == (1e-6, 5e5, 128)
@@ -184,6 +186,7 @@ def test_trainer_starts_from_a_hugging_face_folder(tmp_path, ac):
             diff = (trainer.model(_tokens()) - hf(_tokens()).logits).abs().max().item()
         assert diff < 1e-5, diff
         if ac == "none":  # a folder that turns bad before the weights are read: one message naming key and file
+            trainer.checkpointer.save(1)
             weights = tmp_path / "hf" / "model.safetensors"
             weights.write_bytes(weights.read_bytes()[:1000])
             with pytest.raises(ConfigError, match=r"checkpoint.initial_load_path = .*model.safetensors: not a "
@@ -191,6 +194,31 @@ def test_trainer_starts_from_a_hugging_face_folder(tmp_path, ac):
                 trainer.load_initial_weights(str(tmp_path / "hf"), "hf")
     finally:
         trainer.close()
+    if ac == "none":
+        _resume_takes_the_recorded_numerics(tmp_path, hf, args)
+
+
+def _resume_takes_the_recorded_numerics(tmp_path, hf, args) -> None:
+    """The checkpoint of a run started from `hf` (built with `args`) resumes with config.json's numerics: without the
+    import keys (the flavor's numerics would be others), and with them though the folder is gone."""
+    import shutil
+
+    from torchtitan.train_spec import build_model_args, get_train_spec
+    from torchtitan.trainer import Trainer
+
+    shutil.rmtree(tmp_path / "hf")
+    resume = [*SHORT, "--job.dump_folder", str(tmp_path / "run"), "--validation.enable", "false",
+              "--checkpoint.enable", "true"]  # fmt: skip
+    resumed = Trainer(parse_args(resume))
+    try:
+        assert resumed.step == 1 and resumed.model_args == args
+        with torch.no_grad():
+            diff = (resumed.model(_tokens()) - hf(_tokens()).logits).abs().max().item()
+        assert diff < 1e-5, diff
+    finally:
+        resumed.close()
+    kept = parse_args(_hf_args(tmp_path / "hf", "--validation.enable", "false", "--checkpoint.enable", "true"))
+    assert build_model_args(get_train_spec("llama3"), kept) == args
 
 
 @pytest.mark.parametrize("case", [*HF_NUMERICS, "rms_norm_eps-classifier"])
