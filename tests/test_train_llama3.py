@@ -264,6 +264,33 @@ def test_hugging_face_config_numerics_build_the_model(tmp_path, case, caplog):
         parse_args(_hf_args(tmp_path / "hf", "--training.seq_len", "200"))
 
 
+def test_special_ids_that_differ_from_config_json_are_warned_with_both(tmp_path, caplog):
+    """The tokenizer packs each document as BOS + text + EOS; a config.json whose bos_token_id / eos_token_id are
+    other ids (here LlamaConfig's defaults 1 and 2, which save_pretrained writes) gets a warning naming both files
+    and all four ids; ids that agree (one of a list, as instruct models give several EOS) get none."""
+    from torchtitan.tools.logging import logger
+    from torchtitan.train_spec import build_model_args, get_train_spec
+
+    spec = get_train_spec("llama3")
+    logger.addHandler(caplog.handler)  # the project logger does not propagate to the root logger
+    try:
+        for name, ids in (("other", {}), ("same", {"bos_token_id": 256, "eos_token_id": [2, 257]})):
+            _hf_folder(tmp_path / name, **ids)
+            cfg = parse_args(_hf_args(tmp_path / name))
+            with caplog.at_level(logging.WARNING, logger.name):
+                spec.build_dataloader_fn(cfg, build_model_args(spec, cfg), 0, 1, 0, "train").close()
+    finally:
+        logger.removeHandler(caplog.handler)
+    # A set: the record reaches caplog twice where the logger also propagates (no init_logger in this process).
+    warnings = {r.getMessage() for r in caplog.records if r.name == logger.name and r.levelno == logging.WARNING}
+    assert warnings == {
+        f"{tmp_path / 'other' / 'config.json'} has bos_token_id 1 and eos_token_id 2, but model.tokenizer_path "
+        "'bytes' packs each document as BOS 256 + text + EOS 257: the weights learned other ids for a document's "
+        "start and end. Train with the tokenizer they were trained with (model.tokenizer_path), or correct "
+        "config.json"
+    }
+
+
 def test_bad_hugging_face_folder_is_one_error_line(tmp_path, monkeypatch, capsys):
     """config.json is read when the config is validated: another shape or another model family is refused there,
     naming checkpoint.initial_load_path and the file, and train.py ends in one error line with status 2."""

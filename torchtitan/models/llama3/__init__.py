@@ -9,7 +9,12 @@ from torchtitan.config_validation import ConfigError, at
 from torchtitan.models.llama3.flavors import llama3_configs
 from torchtitan.models.llama3.model import Llama3, Llama3Args, flops_per_token
 from torchtitan.models.llama3.parallelize import parallelize_llama3
-from torchtitan.models.llama3.state_dict_adapter import NUMERIC_FIELDS, args_for_hf_folder, read_hf_folder
+from torchtitan.models.llama3.state_dict_adapter import (
+    NUMERIC_FIELDS,
+    args_for_hf_folder,
+    read_hf_folder,
+    special_ids_mismatch,
+)
 from torchtitan.tools.logging import logger
 from torchtitan.train_spec import TrainSpec, register_train_spec
 
@@ -92,10 +97,19 @@ def _build_objective(job_config, model_args: Llama3Args, layout):
 
 def _build_dataloader(job_config, model_args: Llama3Args, dp_rank: int, dp_world: int, poisson_steps: int,
                       split: str):  # fmt: skip
+    """The text loader; from a Hugging Face folder, a warning when its config.json's BOS/EOS ids are not the ones
+    the tokenizer packs documents with (special_ids_mismatch)."""
     from torchtitan.datasets import build_text_dataloader
 
-    return build_text_dataloader(job_config, model_args.vocab_size, model_args.num_labels, dp_rank, dp_world,
-                                 poisson_steps, split)  # fmt: skip
+    loader = build_text_dataloader(job_config, model_args.vocab_size, model_args.num_labels, dp_rank, dp_world,
+                                   poisson_steps, split)  # fmt: skip
+    identity = getattr(loader.dataset, "tokenizer_identity", None)  # None: no packed documents (classification)
+    checkpoint = job_config.checkpoint
+    if split == "train" and identity and checkpoint.initial_load_format == "hf" and checkpoint.initial_load_path:
+        mismatch = special_ids_mismatch(checkpoint.initial_load_path, identity)
+        if mismatch:
+            logger.warning(mismatch)
+    return loader
 
 
 register_train_spec(

@@ -222,6 +222,30 @@ def read_hf_config(folder: str | Path) -> tuple[Path, dict]:
     return path, config
 
 
+def special_ids_mismatch(folder: str | Path, tokenizer_identity: dict) -> str | None:
+    """A warning when a Hugging Face folder's config.json gives other BOS/EOS ids (bos_token_id, eos_token_id, each
+    an id or a list of ids) than those the tokenizer packs documents with (`TextTokenizer.identity()`), naming
+    both files and every id; None when they agree, config.json names none, or the folder has no readable
+    config.json (a resume after the folder was removed)."""
+    try:
+        path, config = read_hf_config(folder)
+    except (FileNotFoundError, ValueError):
+        return None
+    ours = {"bos_token_id": tokenizer_identity.get("bos_id"), "eos_token_id": tokenizer_identity.get("eos_id")}
+    differ = []
+    for key, our_id in ours.items():
+        theirs = config.get(key)
+        if theirs is not None and our_id not in (theirs if isinstance(theirs, list) else [theirs]):
+            differ.append(f"{key} {theirs}")
+    if not differ:
+        return None
+    bos, eos = ours.values()
+    packed = f"{'no BOS' if bos is None else f'BOS {bos}'} + text + EOS {eos}"
+    return (f"{path} has {' and '.join(differ)}, but model.tokenizer_path {tokenizer_identity.get('tokenizer')!r} "
+            f"packs each document as {packed}: the weights learned other ids for a document's start and end. Train "
+            "with the tokenizer they were trained with (model.tokenizer_path), or correct config.json")  # fmt: skip
+
+
 def _check_fields(path: Path, ours: Llama3Args, theirs: Llama3Args, fields: dict[str, str], whose: str) -> None:
     """Raises ValueError naming the first field (and its Hugging Face key) where `theirs` (config.json's) differs."""
     for field, hf_key in fields.items():
