@@ -302,6 +302,22 @@ def test_llama3_model_args_are_recorded_and_a_changed_head_is_refused(tmp_path):
         other.maybe_load()
 
 
+def test_a_hugging_face_folder_without_its_format_is_called_that(tmp_path):
+    from torchtitan.components.checkpoint import CheckpointLoadError
+
+    folder = tmp_path / "Llama-3.2-1B"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"")
+    manager = manager_of(tmp_path / "run", torch.nn.Linear(3, 2), enable=False, initial_load_path=str(folder))
+    with pytest.raises(CheckpointLoadError) as refused:
+        manager.maybe_load()
+    assert str(refused.value) == (
+        f"checkpoint.initial_load_path: {folder} is not a DCP checkpoint (no .metadata); it looks like a Hugging Face "
+        "model folder (config.json): set checkpoint.initial_load_format = 'hf'"
+    )
+
+
 class Record:
     """An `extra` state of a checkpoint: entries `keys`; `optional_keys` may be missing from older checkpoints."""
 

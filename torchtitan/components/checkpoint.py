@@ -146,6 +146,18 @@ def starting_checkpoint(checkpoint_config, dump_folder: Path) -> StartingCheckpo
     return StartingCheckpoint(path, args, resume=False) if args is not None else None
 
 
+def _foreign_format(path: Path) -> str:
+    """What a checkpoint.initial_load_path that is no DCP checkpoint looks like, and the format key to set; ''
+    when it looks like none we read."""
+    if (path / "model_index.json").is_file() or (path / "transformer" / "config.json").is_file():
+        return "a diffusers pipeline folder (model_index.json): set checkpoint.initial_load_format = 'diffusers'"
+    if (path / "config.json").is_file():
+        return "a Hugging Face model folder (config.json): set checkpoint.initial_load_format = 'hf'"
+    if path.suffix in (".pt", ".pth") and path.is_file():
+        return "a facebookresearch/DiT .pt file: set checkpoint.initial_load_format = 'dit_pt'"
+    return ""
+
+
 def _tensors(state, prefix: str = ""):
     """(name, tensor) of every tensor in a nested state dict."""
     if isinstance(state, torch.Tensor):
@@ -376,7 +388,9 @@ class CheckpointManager:
         if self.config.initial_load_path and self.config.initial_load_format == "dcp":  # others: the Trainer's
             path = Path(self.config.initial_load_path)
             if not (path / ".metadata").is_file():
-                raise CheckpointLoadError(f"checkpoint.initial_load_path: {path} is not a complete checkpoint")
+                looks = _foreign_format(path)
+                raise CheckpointLoadError(f"checkpoint.initial_load_path: {path} is not a DCP checkpoint (no .metadata)"
+                                          f"{f'; it looks like {looks}' if looks else ''}")  # fmt: skip
             error = self._try_load(path, model_only=True)
             if error is not None:
                 raise CheckpointLoadError(f"checkpoint.initial_load_path: {path} could not be loaded ({error})")
