@@ -200,7 +200,8 @@ def test_trainer_starts_from_a_hugging_face_folder(tmp_path, ac):
 
 def _resume_takes_the_recorded_numerics(tmp_path, hf, args) -> None:
     """The checkpoint of a run started from `hf` (built with `args`) resumes with config.json's numerics: without the
-    import keys (the flavor's numerics would be others), and with them though the folder is gone."""
+    import keys (the flavor's numerics would be others), and with them though the folder is gone; a new run from
+    its weights (checkpoint.initial_load_path) takes them too."""
     import shutil
 
     from torchtitan.train_spec import build_model_args, get_train_spec
@@ -217,8 +218,12 @@ def _resume_takes_the_recorded_numerics(tmp_path, hf, args) -> None:
         assert diff < 1e-5, diff
     finally:
         resumed.close()
+    spec = get_train_spec("llama3")
     kept = parse_args(_hf_args(tmp_path / "hf", "--validation.enable", "false", "--checkpoint.enable", "true"))
-    assert build_model_args(get_train_spec("llama3"), kept) == args
+    assert build_model_args(spec, kept) == args
+    step1 = str(tmp_path / "run" / "checkpoint" / "step-1")  # a new run from its weights: the same numerics
+    new = parse_args([*SHORT, "--job.dump_folder", str(tmp_path / "new"), "--checkpoint.initial_load_path", step1])
+    assert build_model_args(spec, new) == args
 
 
 @pytest.mark.parametrize("case", [*HF_NUMERICS, "rms_norm_eps-classifier"])

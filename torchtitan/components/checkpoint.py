@@ -120,7 +120,6 @@ class StartingCheckpoint:
 
     path: Path
     model_args: dict
-    resume: bool  # True: the run resumes from it; False: checkpoint.initial_load_path, its weights only
 
 
 def starting_checkpoint(checkpoint_config, dump_folder: Path) -> StartingCheckpoint | None:
@@ -134,7 +133,7 @@ def starting_checkpoint(checkpoint_config, dump_folder: Path) -> StartingCheckpo
                 args = read_model_args(path)
             except (Exception, CheckpointException):  # noqa: BLE001 (the resume names it when it skips it)
                 continue
-            return StartingCheckpoint(path, args, resume=True) if args is not None else None
+            return StartingCheckpoint(path, args) if args is not None else None
         return None
     path = Path(checkpoint_config.initial_load_path or "")
     if checkpoint_config.initial_load_format != "dcp" or not (path / ".metadata").is_file():
@@ -143,7 +142,7 @@ def starting_checkpoint(checkpoint_config, dump_folder: Path) -> StartingCheckpo
         args = read_model_args(path)
     except (Exception, CheckpointException):  # noqa: BLE001 (maybe_load names it)
         return None
-    return StartingCheckpoint(path, args, resume=False) if args is not None else None
+    return StartingCheckpoint(path, args) if args is not None else None
 
 
 def _foreign_format(path: Path) -> str:
