@@ -8,6 +8,7 @@ import resource
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -135,6 +136,32 @@ def test_a_changed_lr_on_resume_is_applied_and_logged(run_folder):
     assert "lr = 0.0005" in (run_folder / "config.toml").read_text()
 
 
+@pytest.mark.parametrize("flags, flavor, refusal", [
+    (["--model.pos_embed", "sincos"], {}, "model.pos_embed: it was built with pos_embed 'rope2d', this run's config "
+                                          "gives 'sincos'"),
+    ([], {"norm_eps": 1e-5}, "model.flavor: it was built with norm_eps 1e-06, this run's config gives 1e-05"),
+])  # fmt: skip
+def test_a_resume_with_other_model_args_is_refused_by_key(run_folder, monkeypatch, flags, flavor, refusal):
+    """Every checkpoint records the model args that built it (here the trainer's own); a resume whose model would
+    differ is refused naming the key that sets the arg (model.flavor when no key does: a flavor's numerics, as a
+    release could change them) and both values."""
+    from torchtitan.components.checkpoint import ResumeRefusedError
+    from torchtitan.config_manager import parse_args
+    from torchtitan.models.dit import dit_configs
+    from torchtitan.train_spec import build_model_args, get_train_spec
+
+    monkeypatch.setitem(dit_configs, "debug", replace(dit_configs["debug"], **flavor))
+    spec = get_train_spec("dit")
+    args = build_model_args(spec, parse_args([*CKPT, "--job.dump_folder", str(run_folder), *flags]))
+    manager = manager_of(run_folder, torch.nn.Linear(3, 2), enable=True, model_args=args, arg_key=spec.config_key)
+    with pytest.raises(ResumeRefusedError) as refused:
+        manager.maybe_load()
+    assert str(refused.value) == (
+        f"checkpoint {run_folder / 'checkpoint' / 'step-8'}: {refusal}: resume with the checkpoint's, or start a new "
+        "job.dump_folder from its weights (checkpoint.initial_load_path)"
+    )
+
+
 @pytest.mark.slow
 def test_a_one_process_checkpoint_resumes_every_rank_of_two(tmp_path):
     out = tmp_path / "run"
@@ -209,8 +236,9 @@ def test_a_full_disk_is_called_that(tmp_path):
     assert _save_failure_reason(cut, tmp_path, None).startswith("a write was cut short")
 
 
-def manager_of(folder: Path, model: torch.nn.Module, ema=None, **checkpoint):
-    """A CheckpointManager of a small model (AdamW, a stand-in data loader), with `checkpoint` keys set."""
+def manager_of(folder: Path, model: torch.nn.Module, ema=None, model_args=None, arg_key=None, **checkpoint):
+    """A CheckpointManager of a small model (AdamW, a stand-in data loader), with `checkpoint` keys set; it records
+    `model_args` as the args that built the model (`arg_key`: the config key of each)."""
     from types import SimpleNamespace
 
     from torchtitan.components.checkpoint import CheckpointManager
@@ -223,7 +251,8 @@ def manager_of(folder: Path, model: torch.nn.Module, ema=None, **checkpoint):
     optimizer = torch.optim.AdamW(model.parameters())
     loader = SimpleNamespace(state_dict=lambda: {"epoch": 0}, load_state_dict=lambda state, same_layout=True: None)
     return CheckpointManager(cfg.checkpoint, folder, model, optimizer, build_lr_scheduler(optimizer, cfg.lr_scheduler,
-                             10), ema, loader, rank=0)  # fmt: skip
+                             10), ema, loader, rank=0, model_args=model_args,
+                             arg_key=arg_key)  # fmt: skip
 
 
 def test_a_non_finite_state_is_never_saved(tmp_path):
@@ -253,6 +282,40 @@ def test_an_initial_load_path_gives_the_starting_weights_with_saving_off(tmp_pat
     assert torch.equal(model.weight, source.weight) and torch.equal(model.bias, source.bias)
     assert all(torch.equal(e, p) for e, p in zip(ema.shadow, source.parameters()))  # the average starts there too
     assert not (tmp_path / "run" / "checkpoint").exists()  # and nothing is saved
+
+
+def test_llama3_model_args_are_recorded_and_a_changed_head_is_refused(tmp_path):
+    from torchtitan.components.checkpoint import ResumeRefusedError, read_model_args
+    from torchtitan.models.llama3 import Llama3Args
+    from torchtitan.models.llama3.model import RopeScaling
+    from torchtitan.train_spec import get_train_spec
+
+    args = Llama3Args(dim=8, n_layers=1, n_heads=2, vocab_size=16, ffn_dim=16, max_seq_len=8,
+                      rope_scaling=RopeScaling(8.0, 1.0, 4.0, 64))  # fmt: skip
+    manager_of(tmp_path, torch.nn.Linear(3, 2), enable=True, model_args=args).save(1, model_only=True)
+    assert Llama3Args(**read_model_args(tmp_path / "checkpoint" / "step-1")) == args
+    classifier = replace(args, num_labels=3)
+    other = manager_of(tmp_path, torch.nn.Linear(3, 2), enable=True, model_args=classifier,
+                       arg_key=get_train_spec("llama3").config_key)  # fmt: skip
+    with pytest.raises(ResumeRefusedError, match=r"step-1: model.num_classes: it was built with num_labels 0, this "
+                                                  r"run's config gives 3: "):  # fmt: skip
+        other.maybe_load()
+
+
+def test_a_hugging_face_folder_without_its_format_is_called_that(tmp_path):
+    from torchtitan.components.checkpoint import CheckpointLoadError
+
+    folder = tmp_path / "Llama-3.2-1B"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"")
+    manager = manager_of(tmp_path / "run", torch.nn.Linear(3, 2), enable=False, initial_load_path=str(folder))
+    with pytest.raises(CheckpointLoadError) as refused:
+        manager.maybe_load()
+    assert str(refused.value) == (
+        f"checkpoint.initial_load_path: {folder} is not a DCP checkpoint (no .metadata); it looks like a Hugging Face "
+        "model folder (config.json): set checkpoint.initial_load_format = 'hf'"
+    )
 
 
 class Record:

@@ -187,7 +187,7 @@ def test_published_config_gives_the_flavor():
     assert args_from_hf_config(config) == llama3_configs["Llama-3.2-1B"]
     # What our model does not implement is refused by its key, and another family by its model_type.
     for change, message in [
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn'"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type 'yarn' is not supported"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, r"no \['low_freq_factor', 'high_freq_factor'\]"),
         ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
         ({"attention_bias": True}, "attention_bias=True is not supported"),
@@ -204,6 +204,33 @@ def test_published_config_gives_the_flavor():
         config_json = {key: value for key, value in {**config, **change}.items() if value is not None}
         with pytest.raises(ValueError, match=rf"^a/config.json: .*{message}"):
             args_from_hf_config(config_json, "a/config.json")
+
+
+def test_rope_scaling_wins_over_rope_parameters_as_in_transformers(tmp_path):
+    """A config.json holding both keys: transformers 5 reads `rope_scaling` (and rope_theta beside it, not the one
+    inside `rope_parameters`, which it ignores whole); so do we, within 1e-5 of its logits. A type we do not
+    implement there is refused by key and value, though `rope_parameters` holds one we do."""
+    transformers = pytest.importorskip("transformers")
+    hf_model(tied=False, scaling=None, kv_heads=2).save_pretrained(tmp_path)  # rope_parameters: default, theta 5e5
+    config = json.loads((tmp_path / "config.json").read_text())
+    scaling = {key: value for key, value in LLAMA31_SCALING.items()}
+    (tmp_path / "config.json").write_text(json.dumps({**config, "rope_scaling": scaling}))
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    assert (hf.config.rope_parameters["rope_type"], hf.config.rope_parameters["rope_theta"]) == ("llama3", 10000.0)
+    args = args_from_hf_config(json.loads((tmp_path / "config.json").read_text()))
+    assert (args.rope_theta, args.rope_scaling) == (10000.0, RopeScaling(8.0, 1.0, 4.0, 32))
+    model = Llama3(args)
+    load_hf_folder(tmp_path, model)
+    with torch.no_grad():
+        assert max_abs_diff(model(tokens()), hf(tokens()).logits) < 1e-5
+    yarn = {**config, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    assert transformers.LlamaConfig(**yarn).rope_parameters["rope_type"] == "yarn"
+    with pytest.raises(ValueError) as refused:
+        args_from_hf_config(yarn, "a/config.json")
+    assert str(refused.value) == (
+        "a/config.json: rope_scaling.rope_type 'yarn' is not supported (Llama3 implements 'default' and 'llama3'; "
+        "transformers reads rope_scaling, not rope_parameters, when config.json holds both)"
+    )
 
 
 def test_llama3_scaling_without_its_context_takes_max_position_embeddings():

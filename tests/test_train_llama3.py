@@ -176,13 +176,15 @@ def _tokens(seq_len: int = 24) -> torch.Tensor:
 
 @pytest.mark.parametrize("ac", ["none", "full"])
 def test_trainer_starts_from_a_hugging_face_folder(tmp_path, ac):
+    """The model takes config.json's numerics; with ac "none", its checkpoint then resumes with them (the
+    checkpoint records them), without the import keys, or with them and the folder gone."""
     from torchtitan.trainer import Trainer
 
     # Every numeric of config.json differs from the flavor's: the Trainer builds the model from config.json's.
     numerics = dict(rms_norm_eps=1e-6, max_position_embeddings=128, rope_parameters={**SCALED_ROPE, "rope_theta": 5e5})
     hf = _hf_folder(tmp_path / "hf", **numerics)
     trainer = Trainer(parse_args(_hf_args(tmp_path / "hf", "--activation_checkpoint.mode", ac,
-                                          "--validation.enable", "false")))  # fmt: skip
+                                          "--validation.enable", "false", "--checkpoint.enable", "true")))  # fmt: skip
     try:
         args = trainer.model_args
         assert (args.norm_eps, args.rope_theta, args.max_seq_len) == (1e-6, 5e5, 128)
@@ -191,6 +193,7 @@ def test_trainer_starts_from_a_hugging_face_folder(tmp_path, ac):
             diff = (trainer.model(_tokens()) - hf(_tokens()).logits).abs().max().item()
         assert diff < 1e-5, diff
         if ac == "none":  # a folder that turns bad before the weights are read: one message naming key and file
+            trainer.checkpointer.save(1)
             weights = tmp_path / "hf" / "model.safetensors"
             weights.write_bytes(weights.read_bytes()[:1000])
             with pytest.raises(ConfigError, match=r"checkpoint.initial_load_path = .*model.safetensors: not a "
@@ -198,6 +201,36 @@ def test_trainer_starts_from_a_hugging_face_folder(tmp_path, ac):
                 trainer.load_initial_weights(str(tmp_path / "hf"), "hf")
     finally:
         trainer.close()
+    if ac == "none":
+        _resume_takes_the_recorded_numerics(tmp_path, hf, args)
+
+
+def _resume_takes_the_recorded_numerics(tmp_path, hf, args) -> None:
+    """The checkpoint of a run started from `hf` (built with `args`) resumes with config.json's numerics: without the
+    import keys (the flavor's numerics would be others), and with them though the folder is gone; a new run from
+    its weights (checkpoint.initial_load_path) takes them too."""
+    import shutil
+
+    from torchtitan.train_spec import build_model_args, get_train_spec
+    from torchtitan.trainer import Trainer
+
+    shutil.rmtree(tmp_path / "hf")
+    resume = [*SHORT, "--job.dump_folder", str(tmp_path / "run"), "--validation.enable", "false",
+              "--checkpoint.enable", "true"]  # fmt: skip
+    resumed = Trainer(parse_args(resume))
+    try:
+        assert resumed.step == 1 and resumed.model_args == args
+        with torch.no_grad():
+            diff = (resumed.model(_tokens()) - hf(_tokens()).logits).abs().max().item()
+        assert diff < 1e-5, diff
+    finally:
+        resumed.close()
+    spec = get_train_spec("llama3")
+    kept = parse_args(_hf_args(tmp_path / "hf", "--validation.enable", "false", "--checkpoint.enable", "true"))
+    assert build_model_args(spec, kept) == args
+    step1 = str(tmp_path / "run" / "checkpoint" / "step-1")  # a new run from its weights: the same numerics
+    new = parse_args([*SHORT, "--job.dump_folder", str(tmp_path / "new"), "--checkpoint.initial_load_path", step1])
+    assert build_model_args(spec, new) == args
 
 
 @pytest.mark.parametrize("case", [*HF_NUMERICS, "rms_norm_eps-classifier"])
@@ -241,6 +274,33 @@ def test_hugging_face_config_numerics_build_the_model(tmp_path, case, caplog):
         model(_tokens(129))
     with pytest.raises(ConfigError, match="seq_len 200 is longer than config.json's max_position_embeddings 128"):
         parse_args(_hf_args(tmp_path / "hf", "--training.seq_len", "200"))
+
+
+def test_special_ids_that_differ_from_config_json_are_warned_with_both(tmp_path, caplog):
+    """The tokenizer packs each document as BOS + text + EOS; a config.json whose bos_token_id / eos_token_id are
+    other ids (here LlamaConfig's defaults 1 and 2, which save_pretrained writes) gets a warning naming both files
+    and all four ids; ids that agree (one of a list, as instruct models give several EOS) get none."""
+    from torchtitan.tools.logging import logger
+    from torchtitan.train_spec import build_model_args, get_train_spec
+
+    spec = get_train_spec("llama3")
+    logger.addHandler(caplog.handler)  # the project logger does not propagate to the root logger
+    try:
+        for name, ids in (("other", {}), ("same", {"bos_token_id": 256, "eos_token_id": [2, 257]})):
+            _hf_folder(tmp_path / name, **ids)
+            cfg = parse_args(_hf_args(tmp_path / name))
+            with caplog.at_level(logging.WARNING, logger.name):
+                spec.build_dataloader_fn(cfg, build_model_args(spec, cfg), 0, 1, 0, "train").close()
+    finally:
+        logger.removeHandler(caplog.handler)
+    # A set: the record reaches caplog twice where the logger also propagates (no init_logger in this process).
+    warnings = {r.getMessage() for r in caplog.records if r.name == logger.name and r.levelno == logging.WARNING}
+    assert warnings == {
+        f"{tmp_path / 'other' / 'config.json'} has bos_token_id 1 and eos_token_id 2, but model.tokenizer_path "
+        "'bytes' packs each document as BOS 256 + text + EOS 257: the weights learned other ids for a document's "
+        "start and end. Train with the tokenizer they were trained with (model.tokenizer_path), or correct "
+        "config.json"
+    }
 
 
 def test_bad_hugging_face_folder_is_one_error_line(tmp_path, monkeypatch, capsys):

@@ -63,6 +63,7 @@ class TrainSpec:
         weight_readers: `checkpoint.initial_load_format` -> (path, model_args) -> the full state dict (our names,
             every key and shape checked) of starting weights in that format, e.g. {"hf": ...} for a Hugging Face
             folder; raises FileNotFoundError or ValueError naming the file. DCP ("dcp") needs no reader.
+        arg_keys: model arg -> the config key that sets it, where that is not `model.<arg>` (see config_key).
     """
 
     name: str
@@ -77,6 +78,16 @@ class TrainSpec:
     has_validation_split: bool = False
     measure_overrides: tuple[str, ...] = ()
     weight_readers: dict[str, Callable[[Any, Any], dict]] = dataclasses.field(default_factory=dict)
+    arg_keys: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def config_key(self, arg: str) -> str:
+        """The config key that sets model arg `arg`, named when a resume would change it: `arg_keys`'s, else
+        `model.<arg>` where [model] has that key, else model.flavor (the flavor alone gives it)."""
+        from torchtitan.job_config import Model
+
+        if arg in self.arg_keys:
+            return self.arg_keys[arg]
+        return f"model.{arg}" if arg in Model.__dataclass_fields__ else "model.flavor"
 
 
 _registry: dict[str, TrainSpec] = {}

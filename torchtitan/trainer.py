@@ -166,7 +166,8 @@ class Trainer:
         foreign = None if cfg.dp.enable or cfg.dp.continue_without_privacy else {"dp": DP_CHECKPOINT_WITHOUT_DP}
         self.checkpointer = CheckpointManager(cfg.checkpoint, self.dump_folder, self.model, self.optimizer,
                                               self.lr_scheduler, self.ema, self.dataloader, self.rank,
-                                              self.world_size, extra, foreign)  # fmt: skip
+                                              self.world_size, extra, foreign, self.model_args,
+                                              self.train_spec.config_key)  # fmt: skip
         resuming = contextlib.nullcontext()
         if not cfg.dp.enable and cfg.dp.continue_without_privacy:
             resuming = resuming_without_privacy(self.checkpointer, cfg.checkpoint.load_step)

@@ -7,13 +7,20 @@ another model, non-finite values), is reported by name and the next older one is
 none loads, the run refuses to start rather than train from scratch over them. Checkpoints newer than the one a run
 resumed from (a branch from `load_step`, or ones that failed to load) are moved aside, so a plain restart continues
 this run and pruning never weighs them against its new checkpoints.
+
+Every checkpoint records the model args that built its weights (entry "model_args"): a resume whose model would
+differ is refused naming the config key, and a family whose args come from outside its flavor (Llama's numerics
+from a Hugging Face config.json) builds them from the record of the checkpoint it starts from (`starting_checkpoint`).
 """
 
+import dataclasses
 import errno
 import json
 import re
 import shutil
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,6 +44,7 @@ from torchtitan.tools.utils import rng_state, set_rng_state
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 SET_ASIDE = "set_aside"  # sub-folder of the checkpoint folder for checkpoints a run moved out of its way
+MODEL_ARGS = "model_args"  # the entry recording the model args that built a checkpoint's weights
 
 
 class CheckpointLoadError(RuntimeError):
@@ -76,6 +84,77 @@ def complete_checkpoints(folder: Path) -> list[tuple[int, Path]]:
             continue
         found.append((int(match.group(1)), path))
     return sorted(found, reverse=True)
+
+
+def resume_candidates(checkpoint_config, folder: Path) -> list[tuple[int, Path]]:
+    """(step, path) of the checkpoints a resume tries, in order: the complete ones, newest first, or only
+    `load_step`'s (none when it names no complete one)."""
+    candidates = complete_checkpoints(folder)
+    if checkpoint_config.load_step >= 0:
+        candidates = [(s, p) for s, p in candidates if s == checkpoint_config.load_step]
+    return candidates
+
+
+def model_args_record(args) -> dict:
+    """A model's args (a dataclass) as a checkpoint records them: plain JSON values."""
+    return json.loads(json.dumps(dataclasses.asdict(args)))
+
+
+def read_model_args(path: Path) -> dict | None:
+    """The model args a checkpoint records (model_args_record), or None for one written before checkpoints
+    recorded them. This rank alone reads the one entry.
+
+    Raises:
+        whatever reading a damaged or unsafe checkpoint raises (UnsafePickleError, CheckpointException, ...).
+    """
+    if f"{MODEL_ARGS}.json" not in read_checkpoint_metadata(path).state_dict_metadata:
+        return None
+    state = {MODEL_ARGS: {"json": ""}}
+    load_checkpoint(state, path, no_dist=True)
+    return json.loads(state[MODEL_ARGS]["json"])
+
+
+@dataclass
+class StartingCheckpoint:
+    """A checkpoint a run starts from, and the model args it records."""
+
+    path: Path
+    model_args: dict
+
+
+def starting_checkpoint(checkpoint_config, dump_folder: Path) -> StartingCheckpoint | None:
+    """The checkpoint a run will start from, read before the model is built: the first readable one a resume tries
+    (checkpoint.enable), else a DCP checkpoint.initial_load_path. None for a fresh run, and for a checkpoint
+    written before checkpoints recorded model args."""
+    candidates = resume_candidates(checkpoint_config, dump_folder / checkpoint_config.folder)
+    if checkpoint_config.enable and candidates:
+        for _, path in candidates:
+            try:
+                args = read_model_args(path)
+            except (Exception, CheckpointException):  # noqa: BLE001 (the resume names it when it skips it)
+                continue
+            return StartingCheckpoint(path, args) if args is not None else None
+        return None
+    path = Path(checkpoint_config.initial_load_path or "")
+    if checkpoint_config.initial_load_format != "dcp" or not (path / ".metadata").is_file():
+        return None
+    try:
+        args = read_model_args(path)
+    except (Exception, CheckpointException):  # noqa: BLE001 (maybe_load names it)
+        return None
+    return StartingCheckpoint(path, args) if args is not None else None
+
+
+def _foreign_format(path: Path) -> str:
+    """What a checkpoint.initial_load_path that is no DCP checkpoint looks like, and the format key to set; ''
+    when it looks like none we read."""
+    if (path / "model_index.json").is_file() or (path / "transformer" / "config.json").is_file():
+        return "a diffusers pipeline folder (model_index.json): set checkpoint.initial_load_format = 'diffusers'"
+    if (path / "config.json").is_file():
+        return "a Hugging Face model folder (config.json): set checkpoint.initial_load_format = 'hf'"
+    if path.suffix in (".pt", ".pth") and path.is_file():
+        return "a facebookresearch/DiT .pt file: set checkpoint.initial_load_format = 'dit_pt'"
+    return ""
 
 
 def _tensors(state, prefix: str = ""):
@@ -163,15 +242,21 @@ class CheckpointManager:
 
     def __init__(self, checkpoint_config, dump_folder: Path, model: nn.Module, optimizer, lr_scheduler, ema,
                  dataloader, rank: int, world_size: int = 1, extra: dict | None = None,
-                 foreign: dict[str, str] | None = None):  # fmt: skip
+                 foreign: dict[str, str] | None = None, model_args=None,
+                 arg_key: Callable[[str], str] | None = None):  # fmt: skip
         """`extra`: name -> object with state_dict()/load_state_dict(), the same on every rank (e.g. DP state); one
         with `optional_in_checkpoint = True` is skipped when a checkpoint lacks it (written before it existed), and
         the top-level entries of its state named in `optional_keys` are left out when a checkpoint lacks them.
         Extras load before the optimizer and the data loader; one whose `keeps_data_position` is False after its
         load_state_dict (the data changed) makes the loaders restart the saved epoch from its start.
         `foreign`: top-level checkpoint keys this run would drop, each with the refusal to raise
-        (ResumeRefusedError) when a full checkpoint holds it."""
+        (ResumeRefusedError) when a full checkpoint holds it.
+        `model_args`: the args that built the model (a dataclass), recorded in every checkpoint; a resume from a
+        checkpoint recording others is refused (ResumeRefusedError), naming `arg_key(arg)`, the config key that
+        sets a differing arg (default: model.flavor)."""
         self.config = checkpoint_config
+        self.model_args = model_args
+        self.arg_key = arg_key or (lambda arg: "model.flavor")
         self.extra = extra or {}
         self.foreign = foreign or {}
         self.folder = dump_folder / checkpoint_config.folder
@@ -191,6 +276,8 @@ class CheckpointManager:
         state = {"model": get_model_state_dict(self.model, options=options)}
         if self.ema is not None:
             state["ema"] = self.ema.state_dict()
+        if self.model_args is not None:  # one JSON string: a load takes the keys it holds, whatever they are
+            state[MODEL_ARGS] = {"json": json.dumps(model_args_record(self.model_args), sort_keys=True)}
         if model_only:
             return state
         state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer, options=options)
@@ -300,7 +387,9 @@ class CheckpointManager:
         if self.config.initial_load_path and self.config.initial_load_format == "dcp":  # others: the Trainer's
             path = Path(self.config.initial_load_path)
             if not (path / ".metadata").is_file():
-                raise CheckpointLoadError(f"checkpoint.initial_load_path: {path} is not a complete checkpoint")
+                looks = _foreign_format(path)
+                raise CheckpointLoadError(f"checkpoint.initial_load_path: {path} is not a DCP checkpoint (no .metadata)"
+                                          f"{f'; it looks like {looks}' if looks else ''}")  # fmt: skip
             error = self._try_load(path, model_only=True)
             if error is not None:
                 raise CheckpointLoadError(f"checkpoint.initial_load_path: {path} could not be loaded ({error})")
@@ -309,13 +398,10 @@ class CheckpointManager:
 
     def _resume(self) -> int | None:
         """The step of the checkpoint this run resumed from, or None when the run has none of its own."""
-        candidates = complete_checkpoints(self.folder)
-        if self.config.load_step >= 0:
-            chosen = [(s, p) for s, p in candidates if s == self.config.load_step]
-            if not chosen:
-                raise CheckpointLoadError(f"checkpoint.load_step = {self.config.load_step}: no complete checkpoint "
-                                          f"step-{self.config.load_step} in {self.folder}")  # fmt: skip
-            candidates = chosen
+        candidates = resume_candidates(self.config, self.folder)
+        if self.config.load_step >= 0 and not candidates:
+            raise CheckpointLoadError(f"checkpoint.load_step = {self.config.load_step}: no complete checkpoint "
+                                      f"step-{self.config.load_step} in {self.folder}")  # fmt: skip
         failures = []
         for step, path in candidates:
             error = self._try_load(path)
@@ -368,15 +454,30 @@ class CheckpointManager:
                            f"{self.folder / SET_ASIDE}, so that a restart continues this run")  # fmt: skip
         _barrier()
 
+    def _check_model_args(self, path: Path) -> None:
+        """Raises ResumeRefusedError naming the config key of the first arg (one a key sets directly first) whose
+        value the checkpoint records otherwise, and both values."""
+        saved, ours = read_model_args(path), model_args_record(self.model_args)
+        differ = [arg for arg in ours if saved is not None and arg in saved and saved[arg] != ours[arg]]
+        if not differ:
+            return
+        arg = min(differ, key=lambda a: self.arg_key(a) == "model.flavor")  # the first of those a key sets directly
+        raise ResumeRefusedError(f"checkpoint {path}: {self.arg_key(arg)}: it was built with {arg} {saved[arg]!r}, "
+                                 f"this run's config gives {ours[arg]!r}: resume with the checkpoint's, or start a "
+                                 "new job.dump_folder from its weights (checkpoint.initial_load_path)")  # fmt: skip
+
     def _load(self, path: Path, model_only: bool) -> None:
         metadata = read_checkpoint_metadata(path)
         keys = {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
         full = not model_only and "optimizer" in keys  # a model-only checkpoint gives weights, no training state
+        if not model_only and MODEL_ARGS in keys and self.model_args is not None:  # a resume: the same model
+            self._check_model_args(path)
         if full:
             _check_optimizer(metadata.state_dict_metadata, self.optimizer)
         state = self._state(model_only=not full)
-        if "ema" in state and "ema" not in keys:
-            del state["ema"]
+        for name in ("ema", MODEL_ARGS):  # a seed checkpoint has no EMA; older ones no model args
+            if name in state and name not in keys:
+                del state[name]
         refused = sorted(keys & self.foreign.keys()) if full else []
         if refused:
             raise ResumeRefusedError(f"checkpoint {path}: {self.foreign[refused[0]]}")
@@ -443,7 +544,7 @@ class CheckpointManager:
             del full
         if self.rank == 0:
             tmp = path.with_suffix(".tmp")
-            save_file(tensors, str(tmp), metadata={"model_args": json.dumps(model_args.__dict__)})
+            save_file(tensors, str(tmp), metadata={MODEL_ARGS: json.dumps(model_args_record(model_args))})
             tmp.replace(path)
             logger.info(f"exported {'EMA' if self.ema is not None else 'model'} weights to {path}")
         _barrier()

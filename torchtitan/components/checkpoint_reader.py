@@ -93,8 +93,9 @@ def read_checkpoint_metadata(path: Path) -> Metadata:
     return SafeFileSystemReader(str(path)).read_metadata()
 
 
-def load_checkpoint(state: dict, path: Path) -> None:
-    """`dcp.load(state)` from a checkpoint folder through SafeFileSystemReader and SafeLoadPlanner.
+def load_checkpoint(state: dict, path: Path, no_dist: bool = False) -> None:
+    """`dcp.load(state)` from a checkpoint folder through SafeFileSystemReader and SafeLoadPlanner; `no_dist`: this
+    rank alone reads it (no collective), as DCP's own argument.
 
     Raises:
         UnsafePickleError: a pickle of the checkpoint names a global it may not hold; raised as is, not inside
@@ -102,7 +103,7 @@ def load_checkpoint(state: dict, path: Path) -> None:
     """
     try:
         dcp.load(state, checkpoint_id=str(path), storage_reader=SafeFileSystemReader(str(path)),
-                 planner=SafeLoadPlanner(path))  # fmt: skip
+                 planner=SafeLoadPlanner(path), no_dist=no_dist)  # fmt: skip
     except CheckpointException as e:
         unsafe = [error for error, _ in e.failures.values() if isinstance(error, safe_pickle.UnsafePickleError)]
         if unsafe:

@@ -114,9 +114,11 @@ _IMPLEMENTED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False
 
 
 def _rope_scaling_from_hf(config: dict, source: str) -> tuple[float, RopeScaling | None]:
-    """(rope_theta, rope_scaling) from transformers 5's `rope_parameters` or the older `rope_theta` +
-    `rope_scaling`."""
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    """(rope_theta, rope_scaling) as transformers 5 reads them (RotaryEmbeddingConfigMixin.convert_rope_params_to_dict):
+    a non-empty `rope_scaling` replaces `rope_parameters` whole, and a theta missing from the dict taken comes from
+    the top-level `rope_theta`, else 10000."""
+    key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
+    rope = config.get(key) or {}
     theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
     if float(rope.get("partial_rotary_factor", config.get("partial_rotary_factor") or 1.0)) != 1.0:
         raise ValueError(f"{source}: partial_rotary_factor is not supported (Llama3 rotates every head dimension)")
@@ -124,10 +126,13 @@ def _rope_scaling_from_hf(config: dict, source: str) -> tuple[float, RopeScaling
     if kind == "default":
         return theta, None
     if kind != "llama3":
-        raise ValueError(f"{source}: rope type {kind!r} is not supported (only 'default' and 'llama3')")
+        both = key == "rope_scaling" and config.get("rope_parameters")
+        why = "; transformers reads rope_scaling, not rope_parameters, when config.json holds both" if both else ""
+        raise ValueError(f"{source}: {key}.rope_type {kind!r} is not supported (Llama3 implements 'default' and "
+                         f"'llama3'{why})")  # fmt: skip
     missing = [key for key in ("factor", "low_freq_factor", "high_freq_factor") if key not in rope]
     if missing:
-        raise ValueError(f"{source}: the 'llama3' rope scaling has no {missing}")
+        raise ValueError(f"{source}: the 'llama3' {key} has no {missing}")
     # transformers falls back to max_position_embeddings too (standardize_rope_params).
     original = rope.get("original_max_position_embeddings", config.get("max_position_embeddings", 2048))
     scaling = RopeScaling(
@@ -215,6 +220,30 @@ def read_hf_config(folder: str | Path) -> tuple[Path, dict]:
     if not isinstance(config, dict):
         raise ValueError(f"{path}: not a JSON object")
     return path, config
+
+
+def special_ids_mismatch(folder: str | Path, tokenizer_identity: dict) -> str | None:
+    """A warning when a Hugging Face folder's config.json gives other BOS/EOS ids (bos_token_id, eos_token_id, each
+    an id or a list of ids) than those the tokenizer packs documents with (`TextTokenizer.identity()`), naming
+    both files and every id; None when they agree, config.json names none, or the folder has no readable
+    config.json (a resume after the folder was removed)."""
+    try:
+        path, config = read_hf_config(folder)
+    except (FileNotFoundError, ValueError):
+        return None
+    ours = {"bos_token_id": tokenizer_identity.get("bos_id"), "eos_token_id": tokenizer_identity.get("eos_id")}
+    differ = []
+    for key, our_id in ours.items():
+        theirs = config.get(key)
+        if theirs is not None and our_id not in (theirs if isinstance(theirs, list) else [theirs]):
+            differ.append(f"{key} {theirs}")
+    if not differ:
+        return None
+    bos, eos = ours.values()
+    packed = f"{'no BOS' if bos is None else f'BOS {bos}'} + text + EOS {eos}"
+    return (f"{path} has {' and '.join(differ)}, but model.tokenizer_path {tokenizer_identity.get('tokenizer')!r} "
+            f"packs each document as {packed}: the weights learned other ids for a document's start and end. Train "
+            "with the tokenizer they were trained with (model.tokenizer_path), or correct config.json")  # fmt: skip
 
 
 def _check_fields(path: Path, ours: Llama3Args, theirs: Llama3Args, fields: dict[str, str], whose: str) -> None:
