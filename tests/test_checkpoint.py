@@ -285,7 +285,8 @@ def test_an_initial_load_path_gives_the_starting_weights_with_saving_off(tmp_pat
 
 
 def test_llama3_model_args_are_recorded_and_a_changed_head_is_refused(tmp_path):
-    from torchtitan.components.checkpoint import ResumeRefusedError, read_model_args
+    from torchtitan.components.checkpoint import ResumeRefusedError
+    from torchtitan.components.checkpoint_model_args import read_model_args
     from torchtitan.models.llama3 import Llama3Args
     from torchtitan.models.llama3.model import RopeScaling
     from torchtitan.train_spec import get_train_spec

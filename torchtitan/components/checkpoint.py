@@ -8,19 +8,15 @@ none loads, the run refuses to start rather than train from scratch over them. C
 resumed from (a branch from `load_step`, or ones that failed to load) are moved aside, so a plain restart continues
 this run and pruning never weighs them against its new checkpoints.
 
-Every checkpoint records the model args that built its weights (entry "model_args"): a resume whose model would
-differ is refused naming the config key, and a family whose args come from outside its flavor (Llama's numerics
-from a Hugging Face config.json) builds them from the record of the checkpoint it starts from (`starting_checkpoint`).
+Every checkpoint records the model args that built its weights (torchtitan/components/checkpoint_model_args.py): a
+resume whose model would differ is refused naming the config key.
 """
 
-import dataclasses
 import errno
 import json
-import re
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,14 +33,18 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from torchtitan.components.checkpoint_reader import load_checkpoint, read_checkpoint_metadata
+from torchtitan.components.checkpoint_model_args import MODEL_ARGS, model_args_record, read_model_args
+from torchtitan.components.checkpoint_reader import (
+    complete_checkpoints,
+    load_checkpoint,
+    read_checkpoint_metadata,
+    resume_candidates,
+)
 from torchtitan.components.optimizer import written_by
 from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import rng_state, set_rng_state
 
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 SET_ASIDE = "set_aside"  # sub-folder of the checkpoint folder for checkpoints a run moved out of its way
-MODEL_ARGS = "model_args"  # the entry recording the model args that built a checkpoint's weights
 
 
 class CheckpointLoadError(RuntimeError):
@@ -68,81 +68,6 @@ class NonFiniteStateError(RuntimeError):
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-
-
-def complete_checkpoints(folder: Path) -> list[tuple[int, Path]]:
-    """(step, path) of complete checkpoints, newest first; incomplete ones are reported."""
-    if not folder.is_dir():
-        return []
-    found = []
-    for path in folder.iterdir():
-        match = _STEP_DIR.match(path.name)
-        if not match or not path.is_dir():
-            continue
-        if not (path / ".metadata").is_file():
-            logger.warning(f"checkpoint {path} is incomplete (no .metadata): skipped")
-            continue
-        found.append((int(match.group(1)), path))
-    return sorted(found, reverse=True)
-
-
-def resume_candidates(checkpoint_config, folder: Path) -> list[tuple[int, Path]]:
-    """(step, path) of the checkpoints a resume tries, in order: the complete ones, newest first, or only
-    `load_step`'s (none when it names no complete one)."""
-    candidates = complete_checkpoints(folder)
-    if checkpoint_config.load_step >= 0:
-        candidates = [(s, p) for s, p in candidates if s == checkpoint_config.load_step]
-    return candidates
-
-
-def model_args_record(args) -> dict:
-    """A model's args (a dataclass) as a checkpoint records them: plain JSON values."""
-    return json.loads(json.dumps(dataclasses.asdict(args)))
-
-
-def read_model_args(path: Path) -> dict | None:
-    """The model args a checkpoint records (model_args_record), or None for one written before checkpoints
-    recorded them. This rank alone reads the one entry.
-
-    Raises:
-        whatever reading a damaged or unsafe checkpoint raises (UnsafePickleError, CheckpointException, ...).
-    """
-    if f"{MODEL_ARGS}.json" not in read_checkpoint_metadata(path).state_dict_metadata:
-        return None
-    state = {MODEL_ARGS: {"json": ""}}
-    load_checkpoint(state, path, no_dist=True)
-    return json.loads(state[MODEL_ARGS]["json"])
-
-
-@dataclass
-class StartingCheckpoint:
-    """A checkpoint a run starts from, and the model args it records."""
-
-    path: Path
-    model_args: dict
-
-
-def starting_checkpoint(checkpoint_config, dump_folder: Path) -> StartingCheckpoint | None:
-    """The checkpoint a run will start from, read before the model is built: the first readable one a resume tries
-    (checkpoint.enable), else a DCP checkpoint.initial_load_path. None for a fresh run, and for a checkpoint
-    written before checkpoints recorded model args."""
-    candidates = resume_candidates(checkpoint_config, dump_folder / checkpoint_config.folder)
-    if checkpoint_config.enable and candidates:
-        for _, path in candidates:
-            try:
-                args = read_model_args(path)
-            except (Exception, CheckpointException):  # noqa: BLE001 (the resume names it when it skips it)
-                continue
-            return StartingCheckpoint(path, args) if args is not None else None
-        return None
-    path = Path(checkpoint_config.initial_load_path or "")
-    if checkpoint_config.initial_load_format != "dcp" or not (path / ".metadata").is_file():
-        return None
-    try:
-        args = read_model_args(path)
-    except (Exception, CheckpointException):  # noqa: BLE001 (maybe_load names it)
-        return None
-    return StartingCheckpoint(path, args) if args is not None else None
 
 
 def _foreign_format(path: Path) -> str:

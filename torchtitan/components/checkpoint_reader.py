@@ -1,4 +1,4 @@
-"""DCP checkpoints read without running code from them.
+"""DCP checkpoints found and read without running code from them.
 
 torch's DCP reads a checkpoint's `.metadata` with a plain `pickle.load` (FileSystemReader.read_metadata) and its byte
 entries (the non-tensor values of a state dict) with `torch.load(weights_only=False)` (DefaultLoadPlanner.load_bytes):
@@ -8,6 +8,7 @@ of a checkpoint goes through `read_checkpoint_metadata` and `load_checkpoint`: r
 sample.py.
 """
 
+import re
 from pathlib import Path
 
 import torch
@@ -18,7 +19,9 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from torchtitan.tools import safe_pickle
+from torchtitan.tools.logging import logger
 
+_STEP_DIR = re.compile(r"^step-(\d+)$")
 _DCP_METADATA_CLASSES = ("Metadata", "MetadataIndex", "StorageMeta", "ChunkStorageMetadata", "TensorProperties",
                          "TensorStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")  # fmt: skip
 
@@ -109,3 +112,28 @@ def load_checkpoint(state: dict, path: Path, no_dist: bool = False) -> None:
         if unsafe:
             raise unsafe[0] from e
         raise
+
+
+def complete_checkpoints(folder: Path) -> list[tuple[int, Path]]:
+    """(step, path) of complete checkpoints, newest first; incomplete ones are reported."""
+    if not folder.is_dir():
+        return []
+    found = []
+    for path in folder.iterdir():
+        match = _STEP_DIR.match(path.name)
+        if not match or not path.is_dir():
+            continue
+        if not (path / ".metadata").is_file():
+            logger.warning(f"checkpoint {path} is incomplete (no .metadata): skipped")
+            continue
+        found.append((int(match.group(1)), path))
+    return sorted(found, reverse=True)
+
+
+def resume_candidates(checkpoint_config, folder: Path) -> list[tuple[int, Path]]:
+    """(step, path) of the checkpoints a resume tries, in order: the complete ones, newest first, or only
+    `load_step`'s (none when it names no complete one)."""
+    candidates = complete_checkpoints(folder)
+    if checkpoint_config.load_step >= 0:
+        candidates = [(s, p) for s, p in candidates if s == checkpoint_config.load_step]
+    return candidates

@@ -72,7 +72,7 @@ def resolve_checkpoint(path: Path, config: str = "", flavor: str = "",
         return cfg, path
     if (path / "ema.safetensors").is_file():
         return cfg, path / "ema.safetensors"
-    from torchtitan.components.checkpoint import complete_checkpoints
+    from torchtitan.components.checkpoint_reader import complete_checkpoints
 
     found = complete_checkpoints(path / cfg.checkpoint.folder)
     if not found:

@@ -4,7 +4,7 @@ import dataclasses
 import functools
 from pathlib import Path
 
-from torchtitan.components.checkpoint import StartingCheckpoint, starting_checkpoint
+from torchtitan.components.checkpoint_model_args import StartingCheckpoint, starting_checkpoint
 from torchtitan.config_validation import ConfigError, at
 from torchtitan.models.llama3.flavors import llama3_configs
 from torchtitan.models.llama3.model import Llama3, Llama3Args, flops_per_token
