@@ -37,6 +37,7 @@ _CHOICES = {
     "diffusion.objective": ("ddpm", "rectified_flow"),
     "diffusion.timestep_sampling": ("uniform", "logit_normal"),
     "diffusion.noise_schedule": ("linear", "cosine"),
+    "alignment.encoder": ("dinov2",),
     "optimizer.name": ("AdamW", "SGD"),
     "optimizer.implementation": ("fused", "foreach", "for-loop"),
     "lr_scheduler.decay_type": ("linear", "cosine", "sqrt"),
@@ -88,6 +89,10 @@ _BOUNDS = {
     "diffusion.logit_normal_std": "> 0",
     "diffusion.x_prediction_t_min": "in (0, 1)",
     "diffusion.class_dropout_prob": "in [0, 1)",
+    "alignment.depth": "> 0",
+    "alignment.projector_dim": "> 0",
+    "alignment.coefficient": ">= 0",
+    "alignment.stop_step": ">= 0",
     "optimizer.lr": "> 0",
     "optimizer.beta1": "in [0, 1)",
     "optimizer.beta2": "in [0, 1)",
@@ -150,7 +155,8 @@ def validate(cfg) -> None:
         ConfigError: naming each bad key, its value and its source (cfg.source_of(key)); all of them at once.
     """
     errors: list[str] = []
-    for check in (_check_model, _check_choices, _check_numbers, _check_combinations, _check_converters, _check_dp):
+    for check in (_check_model, _check_choices, _check_numbers, _check_combinations, _check_converters, _check_dp,
+                  _check_alignment):  # fmt: skip
         check(cfg, errors)
     _raise(errors)
 
@@ -186,6 +192,9 @@ def _check_model(cfg, errors: list[str]) -> None:
     if getattr(args, "learn_sigma", False) and cfg.diffusion.objective != "ddpm":
         errors.append(f"{at(cfg, 'diffusion.objective')}: a learned sigma (model.learn_sigma, the flavor's or in "
                       f"{cfg.source_of('model.learn_sigma')}) is DDPM's; set model.learn_sigma = false")  # fmt: skip
+    if getattr(args, "align_depth", 0) and args.in_channels not in (1, 3) and cfg.training.dataset != "latents":
+        errors.append(f"{keys_in(cfg, 'alignment.enable', 'model.in_channels')}: the encoder sees images (1 or 3 "
+                      f"channels); the model's inputs have {args.in_channels}")  # fmt: skip
     if cfg.sampling.guidance_channels > getattr(args, "in_channels", cfg.sampling.guidance_channels):
         errors.append(f"{at(cfg, 'sampling.guidance_channels')}: the model has {args.in_channels} channels")
 
@@ -317,6 +326,18 @@ def _check_combinations(cfg, errors: list[str]) -> None:
     if cfg.checkpoint.create_seed_checkpoint and not cfg.checkpoint.enable:
         errors.append(f"{keys_in(cfg, 'checkpoint.create_seed_checkpoint', 'checkpoint.enable')}: "
                       "a seed checkpoint needs checkpoint.enable = true")  # fmt: skip
+
+
+def _check_alignment(cfg, errors: list[str]) -> None:
+    """What `[alignment]` needs besides its own keys (the encoder's file and the depth are checked where the model's
+    args read them: models/dit/__init__.py): a DiT and the clean images to encode."""
+    if not cfg.alignment.enable:
+        return
+    if cfg.model.name != "dit":
+        errors.append(f"{keys_in(cfg, 'alignment.enable', 'model.name')}: representation alignment trains DiTs")
+    elif cfg.training.dataset == "latents":
+        errors.append(f"{keys_in(cfg, 'alignment.enable', 'training.dataset')}: the encoder needs the clean images, "
+                      "and latent shards hold none; align on a pixel dataset")  # fmt: skip
 
 
 def _check_converters(cfg, errors: list[str]) -> None:

@@ -141,6 +141,28 @@ class Diffusion:
 
 
 @dataclass
+class Alignment:
+    enable: bool = False
+    """Representation alignment (REPA): the DiT's tokens after block `depth`, through a projector, are pulled
+    towards a frozen encoder's features of the clean image; coefficient x the loss is added to each sample's loss
+    and logged as loss/alignment. Pixel datasets only for now (a latent run has no clean image)."""
+    encoder: str = "dinov2"
+    """The frozen encoder: 'dinov2' (ViT-S/B/L/g-14, with or without registers; REPA's default is ViT-B/14)."""
+    encoder_path: str = ""
+    """Local weights of the encoder: the official DINOv2 .pth (as torch.hub reads it, e.g.
+    dinov2_vitb14_pretrain.pth) or a Hugging Face Dinov2Model folder. Nothing is downloaded."""
+    depth: int = 8
+    """The block (1-based) whose output tokens align (REPA: 8 of SiT-XL/2's 28)."""
+    projector_dim: int = 2048
+    """Hidden width of the 3-layer SiLU projector (REPA: 2048)."""
+    coefficient: float = 0.5
+    """Weight of the alignment loss in each sample's loss (REPA's proj_coeff)."""
+    stop_step: int = 0
+    """Align during the first stop_step optimizer steps only (HASTE); 0: throughout. After it the encoder no
+    longer runs; the projector still does, weighted 0 (about 2% of SiT-XL/2's FLOPs)."""
+
+
+@dataclass
 class Optimizer:
     name: str = "AdamW"
     """'AdamW' or 'SGD' (DP-SGD's own; at momentum 0 no state: 8 bytes a weight with its gradient, AdamW 16)."""
@@ -440,6 +462,7 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     model: Model = field(default_factory=Model)
     diffusion: Diffusion = field(default_factory=Diffusion)
+    alignment: Alignment = field(default_factory=Alignment)
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)

@@ -64,6 +64,8 @@ class TrainSpec:
             every key and shape checked) of starting weights in that format, e.g. {"hf": ...} for a Hugging Face
             folder; raises FileNotFoundError or ValueError naming the file. DCP ("dcp") needs no reader.
         arg_keys: model arg -> the config key that sets it, where that is not `model.<arg>` (see config_key).
+        sampling_export_fn: (model_args, parameter names) -> (args, names) of an export that only samples (the run's
+            ema.safetensors): parts that only train left out (a DiT's alignment projectors); None keeps everything.
     """
 
     name: str
@@ -79,6 +81,7 @@ class TrainSpec:
     measure_overrides: tuple[str, ...] = ()
     weight_readers: dict[str, Callable[[Any, Any], dict]] = dataclasses.field(default_factory=dict)
     arg_keys: dict[str, str] = dataclasses.field(default_factory=dict)
+    sampling_export_fn: Callable[[Any, list[str]], tuple[Any, list[str]]] | None = None
 
     def config_key(self, arg: str) -> str:
         """The config key that sets model arg `arg`, named when a resume would change it: `arg_keys`'s, else

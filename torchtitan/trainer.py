@@ -89,6 +89,7 @@ class Trainer:
         if cfg.compile.enable and "loss" in cfg.compile.components:
             self.objective.compile_loss()
         self.loss_bins = getattr(self.objective, "loss_by_timestep", None)  # diffusion: loss/t_bin_k, as minRF
+        self.alignment_loss = getattr(self.objective, "alignment_loss", None)  # REPA's: loss/alignment
         poisson_steps = cfg.training.steps if cfg.dp.enable and cfg.dp.sampling == "poisson" else 0
         self.dataloader = DevicePrefetcher(self.build_dataloader(poisson_steps, "train"), self.device)
         held_out = cfg.validation.enable and self.train_spec.has_validation_split  # else a DiT's FID (below)
@@ -262,6 +263,8 @@ class Trainer:
             losses = self.forward_losses(x, y, self.step, micro)
         if self.loss_bins is not None:  # on the device, read at log steps; the draws' times are let go before backward
             self.loss_bins.add(*self.objective.take_draws(), mask)
+        if self.alignment_loss is not None:
+            self.alignment_loss.add(self.objective.take_alignment(), mask)
         self.stage("forward")
         with self.tracked(), self.attention_context():
             if self.private is not None:
@@ -371,7 +374,8 @@ class Trainer:
         last log (PrivateTraining.metrics: a collective over the data-parallel ranks). The loss is the mean over the
         samples the step drew (under Poisson sampling their number varies; None if it drew none, an empty step,
         which the record shows as such and counts in dp_empty_steps); a diffusion model's
-        `loss/t_bin_k` bin it by timestep over every sample since the last log (LossByTimestep, also a collective)."""
+        `loss/t_bin_k` bin it by timestep over every sample since the last log (LossByTimestep, also a collective),
+        and with representation alignment `loss/alignment` is the mean alignment loss (without its coefficient)."""
         totals = torch.stack([out["loss_sum"], out["loss_count"]])  # one all_reduce for both
         if dist.is_initialized():
             dist.all_reduce(totals, group=self.parallel_dims.dp_group())
@@ -380,7 +384,8 @@ class Trainer:
         grad_norm_key = "dp_noised_grad_norm" if self.private is not None and self.private.noised else "grad_norm"
         metrics = {"loss": loss, grad_norm_key: out["grad_norm"].item(), "lr": out["lr"]}
         metrics.update(self.meter.summary())
-        metrics.update(self.loss_bins.metrics(self.parallel_dims.dp_group()) if self.loss_bins is not None else {})
+        for meter in (self.loss_bins, self.alignment_loss):
+            metrics.update(meter.metrics(self.parallel_dims.dp_group()) if meter is not None else {})
         if self.private is not None:
             metrics.update(self.private.metrics(self.parallel_dims.dp_group()))
         self.metrics.log(self.step, metrics)
@@ -463,7 +468,8 @@ class Trainer:
         failure is logged as an error and the run still ends well."""
         try:
             self.checkpointer.export_ema(self.dump_folder / "ema.safetensors", self.model_args,
-                                         torch_dtype(self.job_config.checkpoint.export_dtype))  # fmt: skip
+                                         torch_dtype(self.job_config.checkpoint.export_dtype),
+                                         self.train_spec.sampling_export_fn)  # fmt: skip
         except Exception as e:  # noqa: BLE001
             logger.exception(f"exporting ema.safetensors failed ({type(e).__name__}: {e}); the checkpoints hold "
                              "the weights")  # fmt: skip

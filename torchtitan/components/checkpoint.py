@@ -451,13 +451,17 @@ class CheckpointManager:
             set_rng_state(state[rng_key])
 
     # ---- export ------------------------------------------------------------------------------
-    def export_ema(self, path: Path, model_args, dtype: torch.dtype) -> None:
+    def export_ema(self, path: Path, model_args, dtype: torch.dtype, sampling_export=None) -> None:
         """Writes the EMA weights (or the live ones without EMA) as one safetensors file, atomically; never
-        non-finite ones (NonFiniteStateError)."""
+        non-finite ones (NonFiniteStateError). `sampling_export`: the family's TrainSpec.sampling_export_fn, which
+        leaves out what only trains (the export is for sampling)."""
         from safetensors.torch import save_file
 
         source = self.ema.state_dict() if self.ema is not None else get_model_state_dict(self.model)
         source = {name: tensor for name, tensor in source.items() if name != "num_updates"}
+        if sampling_export is not None:  # the same names on every rank: each gathers its shards below
+            model_args, kept = sampling_export(model_args, list(source))
+            source = {name: source[name] for name in kept}
         bad = nonfinite_entries(source)
         if bad:
             raise NonFiniteStateError(f"not exporting {path}: non-finite values in {bad[:5]}")

@@ -50,24 +50,58 @@ class LossByTimestep:
         return {f"loss/t_bin_{k}": s / c for k, (s, c) in enumerate(zip(sums, counts)) if c > 0}
 
 
+class MeanLoss:
+    """The mean of a per-sample value over the samples since the last log, logged as `name` (`loss/alignment`):
+    sums on the device, summed over the data-parallel ranks at the log step, Poisson padding (mask 0) left out."""
+
+    def __init__(self, name: str, device: torch.device):
+        self.name = name
+        self.totals = torch.zeros(2, dtype=torch.float64, device=device)  # sum, samples
+
+    def add(self, values: torch.Tensor | None, mask: torch.Tensor | None = None) -> None:
+        """Adds one micro-batch's values (B K,) (None: nothing this micro-batch); `mask` (B,) as LossByTimestep's."""
+        if values is None:
+            return
+        values = values.detach().double().reshape(-1)
+        weight = torch.ones_like(values)
+        if mask is not None:
+            weight = mask.double().repeat_interleave(values.numel() // mask.numel())  # each of a sample's K draws
+        self.totals += torch.stack([(values * weight).sum(), weight.sum()])
+
+    def metrics(self, group=None) -> dict[str, float]:
+        """{name: mean} when any sample counted since the last call (a collective when distributed)."""
+        totals = self.totals.clone()
+        self.totals.zero_()
+        if dist.is_initialized():
+            dist.all_reduce(totals, group=group)
+        total, count = totals.tolist()
+        return {self.name: total / count} if count > 0 else {}
+
+
 class DiffusionObjective:
-    """DDPM or rectified flow (the `[diffusion]` section) on (images, labels) micro-batches.
+    """DDPM or rectified flow (the `[diffusion]` section) on (images, labels) micro-batches, with representation
+    alignment (`[alignment]`, torchtitan/alignment/) added to each sample's loss when the model has projectors.
 
     Args:
         diffusion_config: the `[diffusion]` section.
-        model_args: the DiT's args (input shape, classes, learned sigma).
+        model_args: the DiT's args (input shape, classes, learned sigma, alignment projectors).
         layout: this rank's place in the global batch (torchtitan.train_spec.BatchLayout).
+        alignment: the run's RepresentationAlignment (its encoder sees the clean images); None without projectors.
     """
 
     tokens_per_sample = 0
     reports_perplexity = False
 
-    def __init__(self, diffusion_config, model_args, layout):
+    def __init__(self, diffusion_config, model_args, layout, alignment=None):
         self.diffusion = build_diffusion(diffusion_config, model_args.learn_sigma)
         self.class_dropout_prob = diffusion_config.class_dropout_prob
-        self.args, self.layout = model_args, layout
+        self.args, self.layout, self.alignment = model_args, layout, alignment
         self.loss_by_timestep = LossByTimestep(layout.device)  # the trainer adds each micro-batch's `take_draws()`
         self.last_draws: tuple[torch.Tensor, torch.Tensor] | None = None  # t in [0, 1], losses (B K,), detached
+        # REPA's projection loss (its proj_loss: without the coefficient), per sample; the trainer adds
+        # `take_alignment()` with the Poisson mask and logs it beside the loss.
+        self.alignment_loss = MeanLoss("loss/alignment", layout.device) if model_args.align_depth else None
+        self.last_alignment: torch.Tensor | None = None
 
     def compile_loss(self) -> None:
         self.diffusion.compile_loss()
@@ -77,6 +111,11 @@ class DiffusionObjective:
         stays alive through the backward (DDPM's t / T is a tensor of its own)."""
         draws, self.last_draws = self.last_draws, None
         return draws
+
+    def take_alignment(self) -> torch.Tensor | None:
+        """The last micro-batch's alignment losses (B K,), detached, let go here; None when it did not align."""
+        values, self.last_alignment = self.last_alignment, None
+        return values
 
     def step_randomness(self, step: int, micro: int, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Timesteps, noise and label-drop mask of this rank's samples for one micro-batch, K = augmult
@@ -106,12 +145,35 @@ class DiffusionObjective:
         """Per-sample losses (B,), or (B, K) with dp.augmult K: each sample's K draws in rows of one forward."""
         t, noise, drop = self.step_randomness(step, micro, x.shape[0])
         k = self.layout.augmult
+        targets = None  # the encoder's features of the clean images, once per image (not per draw)
+        if self.alignment is not None and self.alignment.active(step):
+            targets = [z.repeat_interleave(k, 0) if k > 1 else z for z in self.alignment.targets(x)]
         if k > 1:
             x, y = x.repeat_interleave(k, 0), y.repeat_interleave(k, 0)
         if self.args.num_classes > 0:
             y = torch.where(drop, torch.full_like(y, self.args.num_classes), y)  # CFG's null class
         else:
             y = None
-        losses, t_fraction = self.diffusion.training_losses(model, x, y, t=t, noise=noise)
-        self.last_draws = (t_fraction.detach(), losses.detach())
+        losses = self.draw_losses(model, x, y, t, noise, targets)
         return losses.view(-1, k) if k > 1 else losses
+
+    def draw_losses(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor | None, t: torch.Tensor,
+                    noise: torch.Tensor, targets: list[torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
+        """Each draw's loss (B K,) from its clean image, label, time in [0, 1] and noise: the diffusion loss, plus
+        the alignment's with projectors (`targets`: the encoder's features, one (B K, T, D) per encoder; None once
+        alignment.stop_step has passed). Keeps the draws for `take_draws` and `take_alignment`."""
+        if not self.args.align_depth:
+            losses, t_fraction = self.diffusion.training_losses(model, x, y, t=t, noise=noise)
+            self.last_draws = (t_fraction.detach(), losses.detach())
+            return losses
+        projected = []
+
+        def model_with_projections(x_t, t_model, labels):  # the objectives call model(x_t, t, y) for the output
+            out, projected[:] = model(x_t, t_model, labels, aligned=True)
+            return out
+
+        losses, t_fraction = self.diffusion.training_losses(model_with_projections, x, y, t=t, noise=noise)
+        self.last_draws = (t_fraction.detach(), losses.detach())  # loss/t_bin_k: the diffusion loss alone
+        added, alignment = self.alignment.losses(projected, targets)
+        self.last_alignment = alignment.detach() if alignment is not None else None
+        return losses + added

@@ -69,7 +69,11 @@ def apply_converters(model: nn.Module, names: list[str], checkpointed: list[bool
     conversion = Conversion()
     for name in names:
         if name == "fused_norm":
-            apply_fused_norm(model, residual_finished(checkpointed))
+            finish = residual_finished(checkpointed)
+            align_depth = getattr(getattr(model, "args", None), "align_depth", 0)
+            if align_depth:  # REPA's projectors read the output of that block whole
+                finish[align_depth - 1] = True
+            apply_fused_norm(model, finish)
         elif name == "fused_mlp":
             conversion.save_ops |= apply_fused_mlp(model)
         elif name == "fused_qkv":

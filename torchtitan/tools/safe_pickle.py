@@ -26,6 +26,22 @@ NUMPY_ARRAY_GLOBALS = frozenset(
 )
 
 
+# A `torch.save`d state dict: tensors (their rebuild functions, storage types and dtypes) in an OrderedDict.
+TORCH_STATE_DICT_GLOBALS = frozenset(
+    {
+        ("torch._utils", "_rebuild_tensor_v2"),
+        ("torch._utils", "_rebuild_parameter"),
+        *(
+            ("torch", name)
+            for name, value in vars(torch).items()
+            if isinstance(value, type) and name.endswith("Storage")
+        ),
+        *(("torch", name) for name, value in vars(torch).items() if isinstance(value, torch.dtype)),
+        ("collections", "OrderedDict"),
+    }
+)
+
+
 class UnsafePickleError(pickle.UnpicklingError, ValueError):
     """A pickle names a global outside its reader's allow-list; nothing the pickle names was called. A ValueError
     too: a file that is not what its reader expects, as the CLIs and the config checks report them."""

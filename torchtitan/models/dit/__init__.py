@@ -5,6 +5,7 @@ from dataclasses import replace
 from torchtitan.models.dit.diffusers_adapter import read_diffusers_weights
 from torchtitan.models.dit.model import DiT, DiTArgs, flops_per_image
 from torchtitan.models.dit.parallelize import parallelize_dit
+from torchtitan.models.dit.repa_adapter import read_repa_pt
 from torchtitan.models.dit.state_dict_adapter import read_dit_pt
 from torchtitan.train_spec import TrainSpec, register_train_spec
 
@@ -27,6 +28,20 @@ for _size, (_dim, _depth, _heads) in _paper_sizes.items():
 _llama_style = dict(
     input_size=64, in_channels=16, patch_size=2, norm="rmsnorm", mlp="swiglu", qk_norm=True, learn_sigma=False
 )
+# SiT as REPA (sihyun-yu/REPA, models/sit.py) trains it: DiT's sizes predicting the velocity (no learned sigma), fixed
+# sin-cos positions, and time embedded in [0, 1] (t = 0 the data), so REPA's weights load and train on unchanged.
+for _size, (_dim, _depth, _heads) in _paper_sizes.items():
+    for _patch in (2, 4, 8):
+        dit_configs[f"SiT-{_size}/{_patch}"] = DiTArgs(
+            dim=_dim,
+            depth=_depth,
+            num_heads=_heads,
+            patch_size=_patch,
+            learn_sigma=False,
+            pos_embed="sincos",
+            timestep_scale=1e-3,
+        )
+
 dit_configs["0.5B"] = DiTArgs(dim=1280, depth=16, num_heads=20, **_llama_style)
 dit_configs["7B"] = DiTArgs(dim=4096, depth=24, num_heads=32, **_llama_style)
 
@@ -49,14 +64,59 @@ def build_dit_args(args: DiTArgs, job_config) -> DiTArgs:
     for name in ("pos_embed", "norm", "mlp", "qk_norm", "learn_sigma"):
         if getattr(model_config, name) is not None:  # False overrides a flavor's True
             setattr(args, name, getattr(model_config, name))
+    if job_config.alignment.enable:
+        _add_alignment(args, job_config)
     args.validate()
     return args
+
+
+def _add_alignment(args: DiTArgs, job_config) -> None:
+    """The projectors of `[alignment]`: their depth and width, and the encoder's feature width read from its file.
+
+    Raises:
+        ConfigError: naming alignment.depth or alignment.encoder_path.
+    """
+    from torchtitan.alignment import encoder_architecture
+    from torchtitan.config_validation import ConfigError, at
+
+    align = job_config.alignment
+    if not 1 <= align.depth <= args.depth:
+        raise ConfigError(f"{at(job_config, 'alignment.depth')}: the model has blocks 1..{args.depth}")
+    if not align.encoder_path:
+        raise ConfigError(f"{at(job_config, 'alignment.encoder_path')}: alignment.enable needs the encoder's local "
+                          "weights (the official DINOv2 .pth or a Hugging Face Dinov2Model folder)")  # fmt: skip
+    try:
+        encoder = encoder_architecture(align, args.input_size // args.patch_size)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"{at(job_config, 'alignment.encoder_path')}: {e}") from e
+    args.align_depth, args.align_dims, args.align_projector_dim = align.depth, (encoder.dim,), align.projector_dim
+
+
+def dit_flops_per_sample(args: DiTArgs, job_config) -> float:
+    """Training FLOPs of one image: the DiT's (its projectors included), and the frozen encoder's forward."""
+    flops = flops_per_image(args)
+    if args.align_depth and job_config.alignment.enable:
+        from torchtitan.alignment import encoder_architecture
+
+        flops += encoder_architecture(job_config.alignment, args.input_size // args.patch_size).forward_flops()
+    return flops
+
+
+def sampling_export(args: DiTArgs, names: list[str]) -> tuple[DiTArgs, list[str]]:
+    """What an export that only samples keeps of a DiT: its args and parameter names without the alignment
+    projectors (they only train)."""
+    return args.for_sampling(), [name for name in names if not name.startswith("projectors.")]
 
 
 def _build_objective(job_config, model_args: DiTArgs, layout):
     from torchtitan.diffusion.objective import DiffusionObjective
 
-    return DiffusionObjective(job_config.diffusion, model_args, layout)
+    alignment = None
+    if model_args.align_depth:
+        from torchtitan.alignment import build_alignment
+
+        alignment = build_alignment(job_config, model_args, layout.device)
+    return DiffusionObjective(job_config.diffusion, model_args, layout, alignment)
 
 
 def _build_dataloader(job_config, model_args: DiTArgs, dp_rank: int, dp_world: int, poisson_steps: int, split: str):
@@ -76,10 +136,16 @@ register_train_spec(
         parallelize_fn=parallelize_dit,
         build_objective_fn=_build_objective,
         build_dataloader_fn=_build_dataloader,
-        flops_per_sample_fn=lambda args, job_config: flops_per_image(args),
+        flops_per_sample_fn=dit_flops_per_sample,
         datasets=("digits", "dummy", "imagefolder", "cifar10", "latents"),
         measure_overrides=("--training.dataset", "dummy", "--sampling.freq", "0"),  # no data to read, no grids
-        # facebookresearch/DiT .pt files; diffusers DiTTransformer2DModel folders
-        weight_readers={"dit_pt": read_dit_pt, "diffusers": read_diffusers_weights},
+        # facebookresearch/DiT .pt files; REPA's SiT (+ projectors) .pt files; diffusers DiTTransformer2DModel folders
+        weight_readers={"dit_pt": read_dit_pt, "repa_pt": read_repa_pt, "diffusers": read_diffusers_weights},
+        arg_keys={
+            "align_depth": "alignment.depth",
+            "align_dims": "alignment.encoder_path",
+            "align_projector_dim": "alignment.projector_dim",
+        },  # fmt: skip
+        sampling_export_fn=sampling_export,
     )
 )

@@ -5,7 +5,7 @@ A plain nn.Module: no kernels, parallelism, DP, logging or config objects here. 
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +58,15 @@ class DiTArgs:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     multiple_of: int = 256  # SwiGLU hidden size rounding, as in Llama
+    # The model embeds t * timestep_scale. The objectives pass DDPM's step or 1000 t (rectified flow); SiT as REPA
+    # trains it embeds t in [0, 1] (0.001 here), which no rescaling of the weights can stand in for.
+    timestep_scale: float = 1.0
+    # Representation alignment (REPA, Yu et al. 2025): the tokens after block `align_depth` (1-based; 0: none) go
+    # through one 3-layer SiLU MLP (width align_projector_dim) per frozen encoder, to its feature width align_dims[i].
+    # Training only: exports that sample drop them (`for_sampling`).
+    align_depth: int = 0
+    align_dims: tuple[int, ...] = ()
+    align_projector_dim: int = 2048
 
     @classmethod
     def from_dict(cls, values: dict) -> "DiTArgs":
@@ -67,7 +76,14 @@ class DiTArgs:
         Raises:
             TypeError: a key that is neither a field nor a legacy key, named.
         """
-        return cls(**{key: value for key, value in values.items() if key not in _LEGACY_ARGS})
+        values = {key: value for key, value in values.items() if key not in _LEGACY_ARGS}
+        if "align_dims" in values:  # JSON holds a list
+            values["align_dims"] = tuple(values["align_dims"])
+        return cls(**values)
+
+    def for_sampling(self) -> "DiTArgs":
+        """These args without the alignment projectors, which only train: what exports that sample hold."""
+        return replace(self, align_depth=0, align_dims=())
 
     @property
     def out_channels(self) -> int:
@@ -95,6 +111,9 @@ class DiTArgs:
             raise ValueError(f"input_size {self.input_size} is not divisible by patch_size {self.patch_size}")
         if self.dim % self.num_heads != 0:
             raise ValueError(f"dim {self.dim} is not divisible by num_heads {self.num_heads}")
+        if self.align_depth and not (1 <= self.align_depth <= self.depth and self.align_dims):
+            raise ValueError(f"align_depth {self.align_depth} needs a block in 1..{self.depth} and encoder widths "
+                             f"(align_dims {self.align_dims})")  # fmt: skip
         if self.attn_window < 0:
             raise ValueError(f"attn_window must be >= 0, got {self.attn_window}")
         if self.pos_embed == "rope2d" and self.head_dim % 4 != 0:
@@ -183,12 +202,13 @@ class LearnedPosEmbed(nn.Module):
 
 
 class TimestepEmbedder(nn.Module):
-    def __init__(self, dim: int, freq_dim: int = 256):
+    def __init__(self, dim: int, freq_dim: int = 256, scale: float = 1.0):
         super().__init__()
-        self.freq_dim = freq_dim
+        self.freq_dim, self.scale = freq_dim, scale
         self.mlp = nn.Sequential(nn.Linear(freq_dim, dim), nn.SiLU(), nn.Linear(dim, dim))
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.float() * self.scale if self.scale != 1.0 else t
         freqs = timestep_frequencies(t, self.freq_dim).to(self.mlp[0].weight.dtype)
         return self.mlp(freqs)
 
@@ -290,6 +310,13 @@ class FinalLayer(nn.Module):
         return self.linear(modulate(self.norm_final(x), shift, scale))
 
 
+def build_projector(dim: int, hidden: int, out: int) -> nn.Sequential:
+    """REPA's projector: Linear -> SiLU -> Linear -> SiLU -> Linear, from the DiT's width to an encoder's."""
+    return nn.Sequential(
+        nn.Linear(dim, hidden), nn.SiLU(), nn.Linear(hidden, hidden), nn.SiLU(), nn.Linear(hidden, out)
+    )
+
+
 class DiT(nn.Module):
     """DiT: patchify -> blocks conditioned on (timestep, class) -> unpatchify."""
 
@@ -298,7 +325,7 @@ class DiT(nn.Module):
         args.validate()
         self.args = args
         self.x_embedder = PatchEmbed(args.in_channels, args.dim, args.patch_size)
-        self.t_embedder = TimestepEmbedder(args.dim)
+        self.t_embedder = TimestepEmbedder(args.dim, scale=args.timestep_scale)
         self.y_embedder = LabelEmbedder(args.num_classes, args.dim) if args.num_classes > 0 else None
         grid = args.input_size // args.patch_size
         self.pos_embed = LearnedPosEmbed(args.num_tokens, args.dim) if args.pos_embed == "learned" else None
@@ -310,6 +337,9 @@ class DiT(nn.Module):
         # A ModuleDict keyed by index, as TorchTitan does, so FQNs stay stable when blocks are wrapped.
         self.blocks = nn.ModuleDict({str(i): DiTBlock(args) for i in range(args.depth)})
         self.final_layer = FinalLayer(args)
+        # REPA's names (projectors.i.0/2/4), so its checkpoints map one to one; Xavier-init by init_weights' loop.
+        self.projectors = nn.ModuleList(build_projector(args.dim, args.align_projector_dim, out)
+                                        for out in args.align_dims) if args.align_depth else None  # fmt: skip
 
     def init_weights(self) -> None:
         """Owns every initialization (DiT's initialize_weights), so a meta-built model can be materialized."""
@@ -359,8 +389,13 @@ class DiT(nn.Module):
         x = torch.einsum("nhwpqc->nchpwq", x)
         return x.reshape(x.shape[0], c, g * p, g * p)
 
-    def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
-        """x: (B, C, H, W), t: (B,) timesteps, y: (B,) labels (num_classes = null) -> (B, C_out, H, W)."""
+    def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None = None,
+                aligned: bool = False) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:  # fmt: skip
+        """x: (B, C, H, W), t: (B,) timesteps, y: (B,) labels (num_classes = null) -> (B, C_out, H, W).
+
+        aligned: also return the tokens after block `align_depth` through each projector, [(B, T, align_dims[i])]
+        (representation alignment's training; through forward so that FSDP's hooks see the projectors).
+        """
         h = self.x_embedder(x)  # (B, T, D)
         if self.args.pos_embed == "sincos":
             h = h + self.sincos.to(h.dtype)
@@ -372,10 +407,13 @@ class DiT(nn.Module):
             c = c + self.y_embedder(y)
         # h goes from block to block and on to the final layer as each returns it: a plain block returns a tensor,
         # a converted one may hand its residual stream on in parts (torchtitan/kernels/dit_modules.py).
-        for block in self.blocks.values():
+        projected = []
+        for i, block in enumerate(self.blocks.values()):
             h = block(h, c, rope, self.block_mask)
+            if aligned and i + 1 == self.args.align_depth:  # this block finishes its residual (see converters)
+                projected = [projector(h) for projector in self.projectors]  # each (B, T, align_dims[i])
         h = self.final_layer(h, c)  # (B, T, p*p*C_out)
-        return self.unpatchify(h)
+        return (self.unpatchify(h), projected) if aligned else self.unpatchify(h)
 
 
 def flops_per_image(args: DiTArgs) -> float:
@@ -395,4 +433,6 @@ def flops_per_image(args: DiTArgs) -> float:
     fwd += 2 * T * p2c_in * D  # patch embedding
     fwd += 2 * T * D * args.patch_size**2 * args.out_channels + 2 * 2 * D * D  # final linear + adaLN
     fwd += 2 * (256 * D + D * D)  # timestep MLP
+    H = args.align_projector_dim
+    fwd += sum(2 * T * (D * H + H * H + H * out) for out in args.align_dims) if args.align_depth else 0  # projectors
     return 3.0 * fwd

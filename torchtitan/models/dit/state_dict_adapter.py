@@ -66,20 +66,7 @@ POS_EMBED_TOLERANCE = 1e-6  # the reference builds the table in numpy float64, t
 
 # The globals a DiT `.pt` file may name: tensors (their rebuild function and storage types), the state dict's
 # OrderedDict, and train.py's args. Anything else could run code.
-DIT_PT_PICKLE_GLOBALS = frozenset(
-    {
-        ("torch._utils", "_rebuild_tensor_v2"),
-        ("torch._utils", "_rebuild_parameter"),
-        *(
-            ("torch", name)
-            for name, value in vars(torch).items()
-            if isinstance(value, type) and name.endswith("Storage")
-        ),
-        *(("torch", name) for name, value in vars(torch).items() if isinstance(value, torch.dtype)),
-        ("collections", "OrderedDict"),
-        ("argparse", "Namespace"),
-    }
-)
+DIT_PT_PICKLE_GLOBALS = safe_pickle.TORCH_STATE_DICT_GLOBALS | {("argparse", "Namespace")}
 # Fields of SiT's train.py args (willisma/SiT transport options) that DiT's train.py does not have.
 _SIT_ARGS = ("path_type", "prediction", "loss_weight", "sample_eps", "train_eps")
 _OVERRIDES = "model.flavor, or the [model] overrides learn_sigma, num_classes, input_size, in_channels, patch_size"
@@ -164,28 +151,50 @@ def _check_pos_embed(stored: torch.Tensor, args: DiTArgs, source: str) -> None:
                          f"(> {POS_EMBED_TOLERANCE:g}): not the facebookresearch/DiT table ours computes")  # fmt: skip
 
 
+def load_pt(path: str | Path, holder: str = "a DiT checkpoint"):
+    """A `.pt` file unpickled through DIT_PT_PICKLE_GLOBALS (tensors, their containers, train.py's args).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: unreadable, or naming code outside the allow-list (safe_pickle.UnsafePickleError); file named.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist")
+    with open(path, "rb") as f:
+        try:
+            return safe_pickle.torch_load(f, DIT_PT_PICKLE_GLOBALS, str(path), holder)
+        except safe_pickle.UnsafePickleError:
+            raise
+        except Exception as e:  # a truncated file or no torch.save file at all: torch's message names no file
+            raise ValueError(f"{path}: not a readable torch.save file ({type(e).__name__}: {e})") from e
+
+
+def convert_dit_pt(loaded, path: Path, args: DiTArgs) -> dict[str, torch.Tensor]:
+    """A loaded facebookresearch/DiT `.pt` (see read_dit_pt) as our state dict; SiT files refused."""
+    if path.name.startswith("SiT"):  # the released SiT-XL-2-256.pt
+        raise ValueError(_sit_refusal(path))
+    return from_reference(_weights_in(loaded, path), args, str(path))
+
+
 def read_dit_pt(path: str | Path, args: DiTArgs) -> dict[str, torch.Tensor]:
     """A facebookresearch/DiT `.pt` file as our full state dict for `DiT(args)` (loads with strict=True): a plain
     state dict, or train.py's checkpoint, whose EMA weights are taken.
 
     SiT files are refused when recognizable (train.py's args, a name starting with "SiT"); a plain SiT state dict
-    under another name cannot be told apart from a DiT one (the same names and shapes) and loads.
+    under another name cannot be told apart from a DiT one (the same names and shapes) and loads. A REPA checkpoint
+    is sent to its own format ('repa_pt', repa_adapter.py).
 
     Raises:
         FileNotFoundError: no such file.
         ValueError: the file names code outside the allow-list (safe_pickle.UnsafePickleError), is no DiT state
-            dict, is SiT's, or does not fit `args` (see from_reference); the file named.
+            dict, is SiT's or REPA's, or does not fit `args` (see from_reference); the file named.
     """
+    from torchtitan.models.dit.repa_adapter import is_repa_checkpoint
+
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist")
-    if path.name.startswith("SiT"):  # the released SiT-XL-2-256.pt
-        raise ValueError(_sit_refusal(path))
-    with open(path, "rb") as f:
-        try:
-            loaded = safe_pickle.torch_load(f, DIT_PT_PICKLE_GLOBALS, str(path), "a DiT checkpoint")
-        except safe_pickle.UnsafePickleError:
-            raise
-        except Exception as e:  # a truncated file or no torch.save file at all: torch's message names no file
-            raise ValueError(f"{path}: not a readable torch.save file ({type(e).__name__}: {e})") from e
-    return from_reference(_weights_in(loaded, path), args, str(path))
+    loaded = load_pt(path)
+    if is_repa_checkpoint(loaded):
+        raise ValueError(f"{path}: a REPA checkpoint (SiT with alignment projectors): read it with "
+                         "checkpoint.initial_load_format = 'repa_pt' and a SiT-* model.flavor")  # fmt: skip
+    return convert_dit_pt(loaded, path, args)

@@ -1,5 +1,6 @@
 """DiT weights into a plain model, from wherever they are: a run folder, a DCP step folder, a `.safetensors` export
-or a facebookresearch/DiT `.pt` (a recognizable SiT file is refused: state_dict_adapter.py). Used by `sample.py` and
+or a facebookresearch/DiT or REPA `.pt` (a recognizable willisma/SiT file is refused: state_dict_adapter.py; REPA's:
+repa_adapter.py). The model is built without the alignment projectors, which only train. Used by `sample.py` and
 `scripts/convert_dit.py`.
 
 `resolve_checkpoint` finds the config and the weights: a run folder gives its `config.toml` and the weights of
@@ -24,6 +25,9 @@ from torchtitan.config_manager import JobConfig, parse_args
 from torchtitan.tools.logging import logger
 from torchtitan.train_spec import build_model_args, get_train_spec
 
+# Sampling needs no encoder: the model is built without the alignment projectors, which only train.
+SAMPLING_ONLY = ["--alignment.enable", "false"]
+
 __all__ = ["check_is_dit_run", "dit_pt_config", "find_config", "load_dcp_weights", "load_model", "resolve_checkpoint"]
 
 
@@ -46,13 +50,17 @@ def check_is_dit_run(config_file: Path) -> None:
 
 
 def dit_pt_config(flavor: str, config: str, overrides: list[str]) -> JobConfig:
-    """The config of a facebookresearch/DiT `.pt` file: a DiT of `flavor` with its fixed sin-cos positions, then
-    the `--config` TOML and the `--section.key value` overrides."""
+    """The config of a facebookresearch/DiT or REPA `.pt` file: a DiT of `flavor` with its fixed sin-cos positions
+    (a SiT-* flavor, REPA's, samples by rectified flow), then the `--config` TOML and the `--section.key value`
+    overrides."""
     if not flavor and not any(arg.partition("=")[0] == "--model.flavor" for arg in overrides):
-        raise ValueError("--flavor: a .pt checkpoint has no run config; name its shapes' flavor, e.g. DiT-XL/2")
+        raise ValueError("--flavor: a .pt checkpoint has no run config; name its shapes' flavor, e.g. DiT-XL/2 "
+                         "(SiT-XL/2 for REPA's)")  # fmt: skip
     argv = ["--job.config_file", config] if config else []
     argv += ["--model.name", "dit", "--model.pos_embed", "sincos"] + (["--model.flavor", flavor] if flavor else [])
-    return parse_args(argv + overrides)
+    if flavor.startswith("SiT-"):
+        argv += ["--diffusion.objective", "rectified_flow", "--diffusion.prediction", "velocity"]
+    return parse_args(argv + overrides + SAMPLING_ONLY)
 
 
 def resolve_checkpoint(path: Path, config: str = "", flavor: str = "",
@@ -67,7 +75,7 @@ def resolve_checkpoint(path: Path, config: str = "", flavor: str = "",
                          "config.toml gives the model")  # fmt: skip
     config_file = Path(config) if config else find_config(path if path.is_dir() else path.parent)
     check_is_dit_run(config_file)
-    cfg = parse_args(["--job.config_file", str(config_file)])
+    cfg = parse_args(["--job.config_file", str(config_file), *SAMPLING_ONLY])
     if path.is_file() or (path / ".metadata").is_file():
         return cfg, path
     if (path / "ema.safetensors").is_file():
@@ -111,10 +119,11 @@ def load_model(cfg: JobConfig, weights: Path, device: torch.device):
     model.to_empty(device=device)
     model.init_weights()  # also computes the non-persistent buffers (positions) the weights file lacks
     if weights.suffix == ".pt":
-        from torchtitan.models.dit.state_dict_adapter import read_dit_pt
+        from torchtitan.models.dit.repa_adapter import read_pt
 
-        model.load_state_dict(read_dit_pt(weights, model_args), strict=True)
-        which = f"facebookresearch/DiT weights of {weights}"
+        state, reference = read_pt(weights, model_args)
+        model.load_state_dict(state, strict=True)
+        which = f"{reference} weights of {weights}"
     elif weights.is_file():
         from safetensors.torch import load_file
 

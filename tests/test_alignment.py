@@ -1,0 +1,205 @@
+"""Representation alignment (torchtitan/alignment/): the DINOv2 encoder against facebookresearch/dinov2 as REPA runs
+it (committed features, tests/data/repa_reference/) and against transformers' Dinov2Model (random weights), the
+per-sample loss in closed form, HASTE's stop, and DP-SGD's per-sample gradients with the projectors.
+
+SiLoss's losses and gradients on REPA's own checkpoint: tests/test_repa_weights.py.
+"""
+
+import copy
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from torchtitan.alignment import RepresentationAlignment, alignment_losses
+from torchtitan.alignment.dinov2_weights import dinov2_architecture, read_dinov2, resample_positions
+from torchtitan.alignment.encoder import FrozenEncoder
+from torchtitan.alignment.vit import VisionTransformer, ViTArgs
+from torchtitan.tools import safe_pickle
+
+DATA = Path(__file__).parent / "data" / "repa_reference"
+ENCODER = DATA / "tiny_dinov2_reg.pth"
+REFERENCE_IO = DATA / "tiny_repa_reference_io.safetensors"
+
+
+def write_tiny_dinov2(path: Path, dim: int = 64, depth: int = 1, grid: int = 6, registers: int = 0,
+                      seed: int = 0) -> Path:  # fmt: skip
+    """A random DINOv2 state dict in the official .pth's names (its mask token too), for runs that align on CPU."""
+    torch.manual_seed(seed)
+    model = VisionTransformer(ViTArgs(dim=dim, depth=depth, num_heads=dim // 64, grid=grid, mlp_ratio=1.0,
+                                      num_register_tokens=registers))  # fmt: skip
+    state = {name: 0.2 * torch.randn_like(tensor) for name, tensor in model.state_dict().items()}
+    state["mask_token"] = torch.zeros(1, dim)
+    torch.save(state, path)
+    return path
+
+
+def _reference_images() -> torch.Tensor:
+    """The committed uint8 images enlarged 8x by nearest neighbours (256 px, as REPA saw them), in [-1, 1]."""
+    small = load_file(REFERENCE_IO)["images"]
+    return small.repeat_interleave(8, 2).repeat_interleave(8, 3).float() / 127.5 - 1
+
+
+def test_encoder_reproduces_repas_dinov2_features():
+    """facebookresearch/dinov2's DinoVisionTransformer (4 registers) on REPA's preprocessing (x / 255, ImageNet
+    normalization, bicubic to 224 px) with its 20 x 20 table resampled to 16 x 16 by timm (antialiased), recorded
+    when the data was made: ours from the official .pth gives the same x_norm_patchtokens (fp32, CPU). The gap is
+    the float rounding of x / 127.5 - 1 against x / 255 through the bicubic resize (features of magnitude ~4)."""
+    args, state = read_dinov2(ENCODER, grid=16)
+    assert (args.dim, args.depth, args.num_heads, args.num_register_tokens, args.image_size) == (64, 1, 1, 4, 224)
+    features = FrozenEncoder(args, state)(_reference_images())
+    expected = load_file(REFERENCE_IO)["zs"]
+    assert features.shape == expected.shape == (2, 256, 64)
+    assert (features - expected).abs().max().item() <= 1e-5
+
+
+def test_position_table_resampling_is_antialiased_bicubic():
+    table = torch.randn(1, 1 + 20 * 20, 8)
+    out = resample_positions(table, 16)
+    assert out.shape == (1, 257, 8) and torch.equal(out[:, 0], table[:, 0])
+    plain = torch.nn.functional.interpolate(table[:, 1:].reshape(1, 20, 20, 8).permute(0, 3, 1, 2), size=(16, 16),
+                                            mode="bicubic")  # fmt: skip
+    assert (out[:, 1:] - plain.permute(0, 2, 3, 1).reshape(1, 256, 8)).abs().max() > 1e-3  # antialiasing matters
+    assert resample_positions(table, 20) is table
+
+
+def _hf_model(swiglu: bool, registers: int, grid: int = 4):
+    transformers = pytest.importorskip("transformers")
+    kwargs = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, image_size=14 * grid, patch_size=14,
+                  use_swiglu_ffn=swiglu, layerscale_value=0.7)  # fmt: skip
+    if registers:
+        config = transformers.Dinov2WithRegistersConfig(num_register_tokens=registers, **kwargs)
+        model = transformers.Dinov2WithRegistersModel(config)
+    else:
+        model = transformers.Dinov2Model(transformers.Dinov2Config(**kwargs))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))  # LayerScale, tokens and biases off their init
+    return model.eval()
+
+
+@pytest.mark.parametrize("swiglu, registers", [(False, 0), (True, 0), (False, 4)])
+def test_hugging_face_folder_equals_transformers_dinov2(tmp_path, swiglu, registers):
+    """A Dinov2Model (or Dinov2WithRegistersModel) folder as transformers saves it, read without transformers: our
+    patch tokens equal its last_hidden_state's (random weights, fp32, at its own size: no interpolation)."""
+    model = _hf_model(swiglu, registers)
+    model.save_pretrained(tmp_path / "hf")
+    args, state = read_dinov2(tmp_path / "hf", grid=4)
+    assert (args.mlp, args.num_register_tokens, args.num_heads) == ("swiglu" if swiglu else "gelu", registers, 2)
+    assert dinov2_architecture(tmp_path / "hf", 4) == args
+    vit = VisionTransformer(args)
+    vit.load_state_dict(state, strict=True)
+    x = torch.randn(2, 3, 56, 56)
+    with torch.no_grad():
+        ours = vit.forward_features(x)["x_norm_patchtokens"]
+        theirs = model(pixel_values=x).last_hidden_state[:, 1 + registers :]
+    assert (ours - theirs).abs().max().item() <= 1e-5
+
+
+def test_official_pth_and_its_architecture(tmp_path):
+    path = write_tiny_dinov2(tmp_path / "dinov2_vitb14_pretrain.pth", dim=128, depth=2, grid=5, registers=4)
+    args = dinov2_architecture(path, 3)
+    assert args == ViTArgs(dim=128, depth=2, num_heads=2, grid=3, mlp_ratio=1.0, num_register_tokens=4)
+    args, state = read_dinov2(path, 3)
+    assert "mask_token" not in state and state["pos_embed"].shape == (1, 10, 128)
+
+
+def test_bad_files_are_refused_by_name(tmp_path):
+    with pytest.raises(FileNotFoundError, match="missing.pth does not exist"):
+        read_dinov2(tmp_path / "missing.pth", 16)
+    torch.save({"weight": torch.zeros(2)}, tmp_path / "other.pth")
+    with pytest.raises(ValueError, match=r"other.pth: no cls_token / patch_embed.proj.weight: not a DINOv2"):
+        read_dinov2(tmp_path / "other.pth", 16)
+    (tmp_path / "junk.pth").write_bytes(b"not a torch file")
+    with pytest.raises(ValueError, match=r"junk.pth: not a readable torch.save file"):
+        read_dinov2(tmp_path / "junk.pth", 16)
+
+    class RunsCode:
+        def __reduce__(self):
+            return os.system, ("true",)
+
+    torch.save({"cls_token": RunsCode()}, tmp_path / "crafted.pth")
+    with pytest.raises(safe_pickle.UnsafePickleError, match=r"crafted.pth refers to .*system, which a DINOv2"):
+        read_dinov2(tmp_path / "crafted.pth", 16)
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "config.json").write_text(json.dumps({"model_type": "vit"}))
+    with pytest.raises(ValueError, match=r"model_type 'vit', not a DINOv2"):
+        read_dinov2(tmp_path / "folder", 16)
+
+
+def test_preprocessing_is_repas():
+    """[-1, 1] images -> [0, 1], ImageNet's mean and std, bicubic to patch x grid; grey repeated to RGB."""
+    args = ViTArgs(dim=64, depth=1, num_heads=1, grid=2)
+    encoder = FrozenEncoder(args, VisionTransformer(args).state_dict())
+    grey = torch.full((1, 1, 8, 8), 0.5)  # 0.75 in [0, 1]
+    out = encoder.preprocess(grey)
+    assert out.shape == (1, 3, 28, 28)
+    expected = (0.75 - torch.tensor([0.485, 0.456, 0.406])) / torch.tensor([0.229, 0.224, 0.225])
+    torch.testing.assert_close(out[0, :, 5, 7], expected, rtol=1e-6, atol=1e-6)
+    assert not any(p.requires_grad for p in encoder.parameters()) and not encoder.train().training
+
+
+def test_alignment_loss_in_closed_form():
+    """-cos per token, averaged over the tokens, then the encoders; the widths of each side are free."""
+    a = torch.tensor([[[1.0, 0.0], [0.0, 2.0]], [[3.0, 3.0], [1.0, 0.0]]])  # (B=2, T=2, 2)
+    z = torch.tensor([[[5.0, 0.0], [1.0, 0.0]], [[-1.0, -1.0], [1.0, 1.0]]])
+    expected = torch.tensor([(-1.0 + 0.0) / 2, (1.0 - 2**-0.5) / 2])
+    torch.testing.assert_close(alignment_losses([a], [z]), expected)
+    torch.testing.assert_close(alignment_losses([a, a], [z, -z]), torch.zeros(2))  # averaged over encoders
+
+
+def test_stopped_alignment_adds_zero_but_keeps_the_projectors_in_the_graph():
+    alignment = RepresentationAlignment(None, coefficient=0.5, stop_step=10)
+    assert alignment.active(9) and not alignment.active(10) and RepresentationAlignment(None, 0.5).active(10**9)
+    projected = [torch.randn(3, 4, 5, requires_grad=True)]
+    added, logged = alignment.losses(projected, None)
+    assert logged is None and torch.equal(added, torch.zeros(3))
+    added.sum().backward()
+    assert torch.equal(projected[0].grad, torch.zeros(3, 4, 5))  # a gradient (of zeros) reaches the projector
+    added, logged = alignment.losses(projected, [torch.randn(3, 4, 5)])
+    torch.testing.assert_close(added, 0.5 * logged)
+
+
+def test_dp_sgd_clips_the_aligned_per_sample_gradients():
+    """The debug DiT with projectors, each sample's loss its denoising term plus its alignment term: DP-SGD's
+    clipped gradients (ghost and book-keeping) equal torch.func's per-sample ones, the projectors' included."""
+    from torchtitan.dp import DPEngine
+    from torchtitan.dp.testing import clipped_mean, per_sample_grads
+    from torchtitan.models.dit import DiT, dit_configs
+
+    torch.manual_seed(0)
+    dit = DiT(replace(dit_configs["debug"], input_size=8, align_depth=2, align_dims=(24,), align_projector_dim=16))
+    dit.init_weights()
+    with torch.no_grad():
+        for p in dit.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+
+    class Aligned(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, x, t, y, z):
+            out, projected = self.model(x, t, y, aligned=True)
+            return (out - x).square().mean((1, 2, 3)) + 0.5 * alignment_losses(projected, [z])
+
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randn(4, 1, 8, 8, generator=g), torch.rand(4, generator=g) * 1000, torch.arange(4),
+             torch.randn(4, 16, 24, generator=g))  # fmt: skip
+    grads = per_sample_grads(Aligned(dit), lambda losses, *b: losses, *batch)
+    grads = {name.removeprefix("model."): grad for name, grad in grads.items()}
+    assert grads["projectors.0.4.weight"].abs().max() > 0
+    max_norm = torch.cat([g.flatten(1) for g in grads.values()], 1).norm(dim=1).median().item()
+    clipped, norms = clipped_mean(grads, max_norm)
+    for mode in ("ghost", "bookkeeping"):
+        model = copy.deepcopy(dit)
+        engine = DPEngine(model, mode, max_norm, 0.0)
+        torch.testing.assert_close(engine.backward(Aligned(model)(*batch)), norms, rtol=1e-4, atol=0)
+        for name, p in model.named_parameters():
+            err = ((p.grad - clipped[name]).norm() / clipped[name].norm()).item()
+            assert err < 1e-4, f"{mode} {name}: {err:.2e}"

@@ -1,0 +1,85 @@
+"""Representation alignment (REPA: Yu et al., "Representation Alignment for Generation", 2025; sihyun-yu/REPA).
+
+The DiT's tokens after block `alignment.depth`, through a small projector per encoder (part of the model:
+DiT.projectors), are pulled towards a frozen encoder's features of the clean image by a negative cosine similarity
+per token. Here: the encoder (encoder.py, DINOv2 in vit.py, its weights in dinov2_weights.py), the per-sample loss,
+and `RepresentationAlignment`, which the diffusion objective (torchtitan/diffusion/objective.py) holds.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["RepresentationAlignment", "alignment_losses", "build_alignment", "encoder_architecture"]
+
+
+def alignment_losses(projected: list[torch.Tensor], targets: list[torch.Tensor]) -> torch.Tensor:
+    """Per-sample alignment loss (B,): the negative cosine similarity of each token's projection and the encoder's
+    feature, averaged over the tokens, then over the encoders (REPA's SILoss projection loss, per sample).
+
+    Args:
+        projected: per encoder, the projected DiT tokens (B, T, D_i).
+        targets: per encoder, its features of the clean images (B, T, D_i).
+    """
+    losses = [
+        -(F.normalize(p.float(), dim=-1) * F.normalize(z.float(), dim=-1)).sum(-1).mean(-1)  # (B,)
+        for p, z in zip(projected, targets, strict=True)
+    ]
+    return torch.stack(losses).mean(0)
+
+
+class RepresentationAlignment:
+    """The `[alignment]` section at work: the frozen encoder, the coefficient, and when it stops (HASTE).
+
+    Args:
+        encoder: images in [-1, 1] (B, C, H, W) -> features (B, T, D), frozen (None: targets are handed in).
+        coefficient: the weight of the alignment loss in each sample's loss (REPA's proj_coeff).
+        stop_step: align during the first stop_step optimizer steps only (HASTE); 0: throughout.
+    """
+
+    def __init__(self, encoder: nn.Module | None, coefficient: float, stop_step: int = 0):
+        self.encoder, self.coefficient, self.stop_step = encoder, coefficient, stop_step
+
+    def active(self, step: int) -> bool:
+        """Whether the optimizer step that `step` steps are done before aligns."""
+        return self.stop_step == 0 or step < self.stop_step
+
+    def targets(self, images: torch.Tensor) -> list[torch.Tensor]:
+        """The encoder's features of the clean images, one (B, T, D) tensor per encoder, without grad."""
+        return [self.encoder(images)]
+
+    def losses(self, projected: list[torch.Tensor], targets: list[torch.Tensor] | None):
+        """(what alignment adds to each sample's loss (B,), the alignment loss (B,) or None once stopped).
+
+        Added: coefficient x alignment_losses; once stopped (targets None), zero times the projections: the
+        projectors still take part in every step, so every layout sees the same parameters receive gradients
+        (DDP's reducer and DP-SGD's hooks expect each one each step)."""
+        if targets is None:
+            return sum(p.float().mean(dim=(1, 2)) for p in projected) * 0.0, None
+        alignment = alignment_losses(projected, targets)
+        return self.coefficient * alignment, alignment
+
+
+def encoder_architecture(alignment_config, grid: int):
+    """The `[alignment]` encoder's architecture at a DiT's `grid` x `grid` tokens (vit.ViTArgs: its feature width,
+    `dim`, is what the projector maps to; its forward FLOPs count in the run's MFU), read from its file.
+
+    Raises:
+        FileNotFoundError, ValueError: the file is missing or not the encoder's weights.
+    """
+    from torchtitan.alignment.dinov2_weights import dinov2_architecture
+
+    return dinov2_architecture(alignment_config.encoder_path, grid)
+
+
+def build_alignment(job_config, model_args, device: torch.device) -> RepresentationAlignment:
+    """The run's alignment: its encoder on `device` at the DiT's token grid, bf16 on a bf16 CUDA run, compiled when
+    the model is."""
+    from torchtitan.alignment.encoder import build_encoder
+
+    cfg = job_config.alignment
+    bf16 = device.type == "cuda" and job_config.training.mixed_precision_param == "bfloat16"
+    compiled = job_config.compile.enable and "model" in job_config.compile.components
+    grid = model_args.input_size // model_args.patch_size
+    encoder = build_encoder(cfg, grid, device, bf16, compiled)
+    return RepresentationAlignment(encoder, cfg.coefficient, cfg.stop_step)
