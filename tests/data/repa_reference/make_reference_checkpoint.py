@@ -24,7 +24,8 @@ Files:
     tiny_repa_reference_io.safetensors: "images" (B, 3, 32, 32) uint8, enlarged 8x by nearest neighbours to the
         256 px REPA sees; "zs" the encoder's features (B, 256, 64); "x" latents (B, 4, 32, 32); "y" labels (one the
         null class); "t" (B,) and "noise" as SILoss drew them; "denoising_loss" (B,), "proj_loss" (scalar) and
-        "loss" (the backward's scalar); "grad.<REPA name>" for every parameter of the EMA SiT.
+        "loss" (the backward's scalar); "grad.<REPA name>" for every parameter of the EMA SiT; "euler" and "heun",
+        REPA's samplers.euler_sampler (4 steps, no guidance, in float64 as it integrates) from "sample_noise".
 """
 
 import argparse
@@ -40,7 +41,7 @@ SIT = dict(input_size=32, patch_size=2, in_channels=4, hidden_size=16, decoder_h
 DINO = dict(img_size=280, patch_size=14, embed_dim=64, depth=1, num_heads=1, mlp_ratio=1, init_values=1.0,
             ffn_layer="mlp", block_chunks=0, num_register_tokens=4, interpolate_antialias=False,
             interpolate_offset=0.1)  # fmt: skip
-GRID, PROJ_COEFF, SEED, BATCH = 16, 0.5, 1234, 2
+GRID, PROJ_COEFF, SEED, BATCH, SAMPLE_STEPS = 16, 0.5, 1234, 2, 4
 CHECKPOINT, ENCODER, REFERENCE_IO = (
     "tiny_repa_train_checkpoint.pt",
     "tiny_dinov2_reg.pth",
@@ -137,6 +138,12 @@ def main(argv: list[str] | None = None) -> None:
     tensors = {"images": small, "zs": zs, "x": x, "y": y, "t": t, "noise": noise, "denoising_loss": denoising.detach(),
                "proj_loss": proj.detach(), "loss": loss.detach()}  # fmt: skip
     tensors.update({f"grad.{name}": p.grad for name, p in ema.named_parameters() if p.grad is not None})
+    from samplers import euler_sampler  # REPA's own ODE sampler (its generate.py's --mode ode), without guidance
+
+    sample_noise = torch.randn(BATCH, SIT["in_channels"], SIT["input_size"], SIT["input_size"], generator=generator)
+    tensors["sample_noise"] = sample_noise
+    for name, heun in (("euler", False), ("heun", True)):
+        tensors[name] = euler_sampler(ema, sample_noise, y, num_steps=SAMPLE_STEPS, heun=heun).float()
     from safetensors.torch import save_file
 
     save_file({k: v.contiguous() for k, v in tensors.items()}, out / REFERENCE_IO,
