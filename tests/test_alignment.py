@@ -203,3 +203,66 @@ def test_dp_sgd_clips_the_aligned_per_sample_gradients():
         for name, p in model.named_parameters():
             err = ((p.grad - clipped[name]).norm() / clipped[name].norm()).item()
             assert err < 1e-4, f"{mode} {name}: {err:.2e}"
+
+
+def test_latents_prepared_with_their_images(tmp_path):
+    """prepare --store-images keeps each image (uint8, as the tokenizer saw it) beside its latents; the dataset hands
+    them on with the latent they encode (the mirrored one with the mirrored latent); a folder without them is
+    refused for alignment, naming the flag."""
+    from tests.test_cosmos_latent_decoder import make_image_folder, make_jit_tokenizer
+    from tests.test_latents import prepare_folder
+    from torchtitan.datasets.imagefolder import ImageFolderDataset
+    from torchtitan.datasets.latents import LatentShardDataset
+    from torchtitan.datasets.prefetch import LatentsAndImages, batch_to_device
+
+    images = make_image_folder(tmp_path / "images", classes=2, per_class=3)
+    make_jit_tokenizer(tmp_path / "tok", channels=4, downsample=4)
+    assert prepare_folder(images, tmp_path / "tok", tmp_path / "with", store_images=True)
+    assert prepare_folder(images, tmp_path / "tok", tmp_path / "without")
+    source = ImageFolderDataset(str(images), 16, random_flip=False)
+    dataset = LatentShardDataset(tmp_path / "with", images=True, random_flip=False)
+    (latent, image), label = dataset[4]
+    assert image.dtype == torch.uint8 and torch.equal(image, source[4][0]) and label == source[4][1]
+    assert torch.equal(latent, LatentShardDataset(tmp_path / "without", random_flip=False)[4][0])
+    torch.manual_seed(0)
+    flipping = LatentShardDataset(tmp_path / "with", images=True)
+    seen = set()
+    for _ in range(8):
+        (latent, image), _ = flipping[4]
+        flipped = not torch.equal(image, source[4][0])
+        assert torch.equal(image, source[4][0].flip(-1) if flipped else source[4][0])
+        assert torch.equal(latent, dataset.normalization.normalize(dataset.raw(4)[int(flipped)].float()))
+        seen.add(flipped)
+    assert seen == {False, True}
+    batch = batch_to_device((LatentsAndImages(latent[None], image[None]), torch.tensor([1])), torch.device("cpu"))
+    assert batch[0].images.dtype == torch.float32 and batch[0].images.min() >= -1
+    with pytest.raises(ValueError, match=r"without holds no images beside its latents.*--store-images"):
+        LatentShardDataset(tmp_path / "without", images=True)
+
+
+def test_debug_model_aligns_on_cpu_stops_and_exports_without_projectors(tmp_path):
+    """train_configs/debug_model.toml with a tiny generated DINOv2 (2 steps, HASTE's stop after the first): the
+    first step logs loss/alignment and the second does not; the checkpoint holds the projectors in the model and its
+    EMA, and ema.safetensors, for sampling, does not."""
+    from tests.conftest import TINY, read_metrics, run_train
+    from torchtitan.components.checkpoint_reader import read_checkpoint_metadata
+
+    encoder = write_tiny_dinov2(tmp_path / "dinov2_vits14_pretrain.pth", grid=37)
+    out = tmp_path / "run"
+    run_train([*TINY, "--job.dump_folder", str(out), "--alignment.enable", "true", "--alignment.encoder_path",
+               str(encoder), "--alignment.depth", "2", "--alignment.projector_dim", "32", "--alignment.stop_step",
+               "1", "--training.steps", "2", "--training.local_batch_size", "4", "--checkpoint.enable", "true",
+               "--checkpoint.interval", "2"])  # fmt: skip
+    records = read_metrics(out)
+    assert "loss/alignment" in records[0] and "loss/alignment" not in records[1]
+    assert -1 <= records[0]["loss/alignment"] <= 1
+    keys = read_checkpoint_metadata(out / "checkpoint" / "step-2").state_dict_metadata
+    assert "model.projectors.0.4.weight" in keys and "ema.projectors.0.4.weight" in keys
+    export = load_file(out / "ema.safetensors")
+    assert export and not any(name.startswith("projectors.") for name in export)
+    from torchtitan.models.dit.weights import load_model, resolve_checkpoint
+
+    for source in (out, out / "checkpoint" / "step-2"):  # the export, and the DCP checkpoint's EMA: no encoder needed
+        encoder.unlink(missing_ok=True)
+        model, args = load_model(*resolve_checkpoint(source), torch.device("cpu"))
+        assert model.projectors is None and args.align_depth == 0

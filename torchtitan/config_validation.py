@@ -192,9 +192,11 @@ def _check_model(cfg, errors: list[str]) -> None:
     if getattr(args, "learn_sigma", False) and cfg.diffusion.objective != "ddpm":
         errors.append(f"{at(cfg, 'diffusion.objective')}: a learned sigma (model.learn_sigma, the flavor's or in "
                       f"{cfg.source_of('model.learn_sigma')}) is DDPM's; set model.learn_sigma = false")  # fmt: skip
-    if getattr(args, "align_depth", 0) and args.in_channels not in (1, 3) and cfg.training.dataset != "latents":
-        errors.append(f"{keys_in(cfg, 'alignment.enable', 'model.in_channels')}: the encoder sees images (1 or 3 "
-                      f"channels); the model's inputs have {args.in_channels}")  # fmt: skip
+    latent_images = ("latents", "dummy")  # latents with their images (--store-images; the dummy's random ones)
+    if getattr(args, "align_depth", 0) and args.in_channels not in (1, 3) and cfg.training.dataset not in latent_images:
+        errors.append(f"{keys_in(cfg, 'alignment.enable', 'model.in_channels')}: the encoder sees images, and "
+                      f"{at(cfg, 'training.dataset')} gives the model {args.in_channels}-channel inputs without "
+                      "the images they stand for")  # fmt: skip
     if cfg.sampling.guidance_channels > getattr(args, "in_channels", cfg.sampling.guidance_channels):
         errors.append(f"{at(cfg, 'sampling.guidance_channels')}: the model has {args.in_channels} channels")
 
@@ -335,9 +337,6 @@ def _check_alignment(cfg, errors: list[str]) -> None:
         return
     if cfg.model.name != "dit":
         errors.append(f"{keys_in(cfg, 'alignment.enable', 'model.name')}: representation alignment trains DiTs")
-    elif cfg.training.dataset == "latents":
-        errors.append(f"{keys_in(cfg, 'alignment.enable', 'training.dataset')}: the encoder needs the clean images, "
-                      "and latent shards hold none; align on a pixel dataset")  # fmt: skip
 
 
 def _check_converters(cfg, errors: list[str]) -> None:

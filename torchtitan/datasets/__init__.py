@@ -7,7 +7,7 @@ from torchtitan.datasets.loader import DiffusionDataLoader, PoissonDataLoader
 __all__ = ["DiffusionDataLoader", "PoissonDataLoader", "build_dataloader", "build_dataset", "build_text_dataloader"]
 
 
-def build_dataset(training_config, model_args, latent_config=None) -> Dataset:
+def build_dataset(training_config, model_args, latent_config=None, images: bool = False) -> Dataset:
     """The dataset named by `training.dataset`, checked against the model's input shape.
 
     Args:
@@ -15,6 +15,8 @@ def build_dataset(training_config, model_args, latent_config=None) -> Dataset:
         model_args: the model's args (in_channels, input_size, num_classes).
         latent_config: the `[latent]` section; for dataset 'latents' its scale_factor replaces the stored
             normalization when > 0, and its tokenizer, when set, must be the one the latents were encoded with.
+        images: a latent dataset's inputs carry the images too (prefetch.LatentsAndImages), for representation
+            alignment's encoder: the prepared ones ('latents'), or random ones 8x the latents' size ('dummy').
 
     Raises:
         FileNotFoundError: the dataset path is missing or empty (the message names it).
@@ -30,7 +32,7 @@ def build_dataset(training_config, model_args, latent_config=None) -> Dataset:
     elif name == "dummy":
         from torchtitan.datasets.dummy import DummyDataset
 
-        dataset = DummyDataset(model_args.in_channels, size, model_args.num_classes)
+        dataset = DummyDataset(model_args.in_channels, size, model_args.num_classes, images=images)
     elif name == "imagefolder":
         from torchtitan.datasets.imagefolder import ImageFolderDataset
 
@@ -48,7 +50,8 @@ def build_dataset(training_config, model_args, latent_config=None) -> Dataset:
         from torchtitan.job_config import Latent
 
         latent_config = latent_config or Latent()
-        dataset = LatentShardDataset(training_config.dataset_path, scale_factor=latent_config.scale_factor)
+        dataset = LatentShardDataset(training_config.dataset_path, scale_factor=latent_config.scale_factor,
+                                     images=images)  # fmt: skip
         if latent_config.tokenizer:  # without one the latents train as they are (no decoding)
             check_tokenizer_matches(dataset.meta, latent_config, source=dataset.root)
     else:
@@ -59,6 +62,7 @@ def build_dataset(training_config, model_args, latent_config=None) -> Dataset:
 
 def _check_matches_model(name: str, dataset: Dataset, model_args) -> None:
     image, _ = dataset[0]
+    image = getattr(image, "latents", image)  # LatentsAndImages: the model's input is the latent
     expected = (model_args.in_channels, model_args.input_size, model_args.input_size)
     if tuple(image.shape) != expected:
         hint = f"; {dataset.describe()}" if hasattr(dataset, "describe") else ""  # latents: tokenizer + fix
@@ -74,12 +78,13 @@ def _check_matches_model(name: str, dataset: Dataset, model_args) -> None:
 
 
 def build_dataloader(training_config, model_args, dp_rank: int, dp_world: int, seed: int, poisson_steps: int = 0,
-                     latent_config=None):  # fmt: skip
+                     latent_config=None, images: bool = False):  # fmt: skip
     """Shuffled fixed-size batches, or with poisson_steps > 0 Poisson-sampled ones (DP-SGD).
 
-    `latent_config` is the `[latent]` section, passed to `build_dataset`.
+    `latent_config` is the `[latent]` section and `images` says a latent dataset carries its images, passed to
+    `build_dataset`.
     """
-    dataset = build_dataset(training_config, model_args, latent_config)
+    dataset = build_dataset(training_config, model_args, latent_config, images)
     return _loader(dataset, training_config, dp_rank, dp_world, seed, poisson_steps)
 
 

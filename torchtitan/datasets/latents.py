@@ -6,6 +6,8 @@ A prepared folder holds `meta.json` (tokenizer, sizes, classes and the latent no
 - `latents`: (N, V, C, h, w) raw tokenizer latents (float16 unless prepared otherwise); V = 2 when the
   horizontally flipped image was encoded too (fast-DiT's augmentation), else 1;
 - `labels`: (N,) int64 class indices; `indices`: (N,) positions in the source dataset;
+- `images` (prepared with --store-images): (N, 3, H, W) uint8, the images as the tokenizer saw them, unflipped, for
+  representation alignment's encoder (192 KiB an image at 256 px: 12x SD-VAE's flipped float16 latents);
 - `stats_count`, `stats_mean`, `stats_m2`: per-channel moments of its latents (float64), so the dataset's
   mean/std come from the shards without reading them twice, and a resumed preparation stays exact;
 
@@ -39,6 +41,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
+from torchtitan.datasets.prefetch import LatentsAndImages
 from torchtitan.tools.logging import logger
 
 META_FILE = "meta.json"
@@ -419,13 +422,19 @@ class LatentShardDataset(Dataset):
         path: folder written by prepare.py (meta.json + shards).
         scale_factor: > 0 replaces the stored normalization with `z * scale_factor` (latent.scale_factor).
         random_flip: pick the original or the flipped latent at random (when both were encoded).
+        images: the input is LatentsAndImages(latent, the uint8 image it encodes, flipped with it): what a
+            representation alignment encoder sees; needs a folder prepared with --store-images.
     """
 
-    def __init__(self, path: str | Path, scale_factor: float = 0.0, random_flip: bool = True):
+    def __init__(self, path: str | Path, scale_factor: float = 0.0, random_flip: bool = True, images: bool = False):
         self.root = Path(path)
         self.meta = read_meta(self.root)
         self.normalization = normalization_for(self.meta, scale_factor)
         self.random_flip = random_flip
+        self.images = images
+        if images and not self.meta.get("images"):
+            raise ValueError(f"{self.root} holds no images beside its latents, which alignment.enable's encoder "
+                             "needs: prepare it again with --store-images")  # fmt: skip
         self.shards = sorted(self.root.glob(SHARD_GLOB))
         self._check_shards()
         labels, sizes = [], []
@@ -499,4 +508,9 @@ class LatentShardDataset(Dataset):
     def __getitem__(self, index: int):
         views = self.raw(index)
         view = int(torch.randint(views.shape[0], ())) if self.random_flip and views.shape[0] > 1 else 0
-        return self.normalization.normalize(views[view].float()), self.labels[index]
+        latent = self.normalization.normalize(views[view].float())
+        if not self.images:
+            return latent, self.labels[index]
+        shard = bisect.bisect_right(self.offsets, index) - 1
+        image = self._handle(shard).get_slice("images")[index - self.offsets[shard]]  # (3, H, W) uint8
+        return LatentsAndImages(latent, image.flip(-1) if view == 1 else image), self.labels[index]

@@ -188,7 +188,7 @@ class PoissonDataLoader:
                 inputs, labels = self.dataset.gather(torch.tensor(indices))
                 return inputs, labels, mask
             items = [self.dataset[i] for i in indices]
-            inputs = torch.stack([x for x, _ in items])  # images, or token windows
+            inputs = default_collate([x for x, _ in items])  # images, token windows, or LatentsAndImages
             labels = torch.stack([torch.as_tensor(label, dtype=torch.long) for _, label in items])  # (B,) or (B, T)
             return inputs, labels, mask
 

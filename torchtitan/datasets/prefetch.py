@@ -1,12 +1,23 @@
 """Batches on the device one step ahead: the host loads and copies batch N+1 while the GPU runs step N.
 
 Pixels travel as uint8 (a quarter of float32's bytes through the loader's workers, pinned memory and PCIe) and
-become [-1, 1] floats on the device; everything else travels as the dataset gives it.
+become [-1, 1] floats on the device; everything else travels as the dataset gives it. A batch is a tuple of tensors
+or of tensor tuples (`LatentsAndImages`: latents with the clean images an alignment encoder sees).
 """
 
 import copy
+from typing import NamedTuple
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+
+class LatentsAndImages(NamedTuple):
+    """A latent dataset's input with the image it encodes (uint8 (3, H, W), [-1, 1] on the device): what
+    representation alignment's encoder sees on a latent run. Collates, travels and pins field by field."""
+
+    latents: torch.Tensor
+    images: torch.Tensor
 
 
 def images_to_float(x: torch.Tensor) -> torch.Tensor:
@@ -17,7 +28,8 @@ def images_to_float(x: torch.Tensor) -> torch.Tensor:
 
 def batch_to_device(batch: tuple, device: torch.device, non_blocking: bool = False) -> tuple:
     """The batch's tensors on `device`, uint8 images as float32 in [-1, 1] (`images_to_float`)."""
-    return tuple(images_to_float(t.to(device, non_blocking=non_blocking)) for t in batch)
+    leaves, spec = tree_flatten(batch)
+    return tree_unflatten([images_to_float(t.to(device, non_blocking=non_blocking)) for t in leaves], spec)
 
 
 class DevicePrefetcher:
@@ -56,20 +68,21 @@ class DevicePrefetcher:
             batch = next(self.host)
         except StopIteration:
             return
-        made_here = [t.device.type != "cpu" for t in batch]  # made on the device by the loader (the dummy data's)
+        leaves, spec = tree_flatten(batch)
+        made_here = [t.device.type != "cpu" for t in leaves]  # made on the device by the loader (the dummy data's)
         if self.stream is None or all(made_here):
             self._ahead = (batch_to_device(batch, self.device), None, state)
             return
         # Pageable memory would make the copy synchronous with the host; a pinned source lets it run on its own.
         # What the loader made on the device was made on this stream, so it is converted here, not on the side one.
-        batch = tuple(t if here or t.is_pinned() else t.pin_memory() for t, here in zip(batch, made_here))
+        leaves = [t if here or t.is_pinned() else t.pin_memory() for t, here in zip(leaves, made_here)]
         with torch.cuda.stream(self.stream):
             moved = [None if here else batch_to_device((t,), self.device, non_blocking=True)[0]
-                     for t, here in zip(batch, made_here)]  # fmt: skip
+                     for t, here in zip(leaves, made_here)]  # fmt: skip
             ready = torch.cuda.Event()
             ready.record(self.stream)
-        moved = tuple(images_to_float(t) if here else m for t, m, here in zip(batch, moved, made_here))
-        self._ahead = (moved, ready, state)
+        moved = [images_to_float(t) if here else m for t, m, here in zip(leaves, moved, made_here)]
+        self._ahead = (tree_unflatten(moved, spec), ready, state)
 
     def __next__(self) -> tuple:
         self.prefetch()
@@ -80,7 +93,7 @@ class DevicePrefetcher:
         if ready is not None:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(ready)
-            for tensor in batch:  # made on the side stream, used on this one: not reused before this use is done
+            for tensor in tree_flatten(batch)[0]:  # made on the side stream, used on this one: not reused before then
                 tensor.record_stream(current)
         return batch
 

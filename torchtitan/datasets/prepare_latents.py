@@ -57,6 +57,9 @@ def add_prepare_args(parser: argparse.ArgumentParser, default_out: str) -> None:
                         help="'channel': per-channel mean/std measured here; 'scale': z * --scale-factor")  # fmt: skip
     parser.add_argument("--scale-factor", type=float, default=0.18215, help="for --normalization scale")
     parser.add_argument("--dtype", default="float16", choices=tuple(STORAGE_DTYPES), help="storage dtype")
+    parser.add_argument("--store-images", action="store_true",
+                        help="keep each image (uint8) beside its latents, for [alignment]'s encoder on latent runs "
+                             "(3 H W bytes an image: 192 KiB at 256 px)")  # fmt: skip
     parser.add_argument("--max-shards", type=int, default=0,
                         help="stop after encoding this many shards on each rank (0: all); rerun to resume")  # fmt: skip
 
@@ -75,10 +78,11 @@ def init_distributed() -> tuple[int, int, torch.device]:
     return rank, world, torch.device("cpu")
 
 
-def _shard_metadata(record: dict, index: int, num_shards: int, shard_size: int, image_size: int, flip: bool) -> dict:
+def _shard_metadata(record: dict, index: int, num_shards: int, shard_size: int, image_size: int, flip: bool,
+                    images: bool = False) -> dict:  # fmt: skip
     """A shard's metadata: raw latents of the tokenizer `record` (`tokenizer_record`), and the shard's layout."""
     layout = {"image_size": image_size, "shard_index": index, "num_shards": num_shards, "shard_size": shard_size,
-              "flip": flip}  # fmt: skip
+              "flip": flip, "images": images}  # fmt: skip
     return latent_file_metadata(LatentNormalization("none"), record) | {k: str(v) for k, v in layout.items()}
 
 
@@ -97,8 +101,8 @@ def _check_existing(path: Path, expected: dict) -> None:
     if not same_tokenizer(theirs, ours):
         raise ValueError(f"{path} was encoded by tokenizer {describe_tokenizer(theirs, hashes=True)}, this run uses "
                          f"{describe_tokenizer(ours, hashes=True)}: use another --out folder")  # fmt: skip
-    for key in ("image_size", "num_shards", "shard_size", "flip"):
-        if found.get(key) != expected[key]:
+    for key in ("image_size", "num_shards", "shard_size", "flip", "images"):
+        if found.get(key, "False") != expected[key]:  # shards of before --store-images hold none
             raise ValueError(f"{path} has {key} = {found.get(key)} but this run uses {expected[key]}: "
                              "use another --out folder or the same options")  # fmt: skip
 
@@ -112,11 +116,14 @@ def channel_moments(z: torch.Tensor) -> tuple[float, torch.Tensor, torch.Tensor]
 
 @torch.no_grad()
 def encode_shard(tokenizer, images: Dataset, batch_size: int, num_workers: int, flip: bool, dtype: torch.dtype,
-                 progress=None) -> dict[str, torch.Tensor]:  # fmt: skip
-    """Encodes every image of `images` (and its mirror when flip) into one shard's tensors."""
+                 progress=None, store_images: bool = False) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Encodes every image of `images` (and its mirror when flip) into one shard's tensors; with store_images the
+    images too, as uint8."""
     loader = DataLoader(images, batch_size=batch_size, num_workers=num_workers, shuffle=False)
-    latents, labels, moments = [], [], []
+    latents, labels, moments, pixels = [], [], [], []
     for x, y in loader:
+        if store_images:  # as the tokenizer sees them: a float source's [-1, 1] back to 0..255
+            pixels.append(x if x.dtype == torch.uint8 else ((x + 1) * 127.5).round().clamp(0, 255).to(torch.uint8))
         x, n = images_to_float(x), x.shape[0]  # an image folder's uint8 -> [-1, 1]
         # One call for the image and its mirror: twice the batch, better use of the GPU.
         z = tokenizer.encode(torch.cat([x, x.flip(-1)]) if flip else x)  # (V*n, C, h, w)
@@ -131,6 +138,7 @@ def encode_shard(tokenizer, images: Dataset, batch_size: int, num_workers: int, 
             progress.update(n)
     count, mean, m2 = combine_moments(moments)
     return {
+        **({"images": torch.cat(pixels).contiguous()} if store_images else {}),
         "latents": torch.cat(latents).contiguous(),
         "labels": torch.cat(labels),
         "stats_count": torch.tensor(count, dtype=torch.float64),
@@ -151,7 +159,7 @@ def prepare_latents(source: Dataset, out: str | Path, tokenizer, *, image_size: 
                     classes: list[str] | None = None, shard_size: int = 4096, batch_size: int = 64,
                     num_workers: int = 0, flip: bool = True, normalization: str = "channel",
                     scale_factor: float = 0.18215, dtype: str = "float16", max_shards: int = 0, rank: int = 0,
-                    world_size: int = 1, description: str = "") -> bool:  # fmt: skip
+                    world_size: int = 1, description: str = "", store_images: bool = False) -> bool:  # fmt: skip
     """Encodes `source` ((image (3, H, W) in [-1, 1] or uint8, label) pairs, unflipped) into shards under `out`.
 
     Every shard and meta.json record the sha256 of the tokenizer's encoder and decoder in its folder
@@ -170,7 +178,7 @@ def prepare_latents(source: Dataset, out: str | Path, tokenizer, *, image_size: 
     mine = list(range(rank, num_shards, world_size))
     pending = []
     for index in mine:
-        metadata = _shard_metadata(record, index, num_shards, shard_size, image_size, flip)
+        metadata = _shard_metadata(record, index, num_shards, shard_size, image_size, flip, store_images)
         path = out / shard_name(index)
         if path.is_file():
             _check_existing(path, metadata)
@@ -187,7 +195,8 @@ def prepare_latents(source: Dataset, out: str | Path, tokenizer, *, image_size: 
         start = time.perf_counter()
         first = index * shard_size
         subset = Subset(source, range(first, min(first + shard_size, len(source))))
-        tensors = encode_shard(tokenizer, subset, batch_size, num_workers, flip, STORAGE_DTYPES[dtype], progress)
+        tensors = encode_shard(tokenizer, subset, batch_size, num_workers, flip, STORAGE_DTYPES[dtype], progress,
+                               store_images)  # fmt: skip
         tensors["indices"] = torch.arange(first, first + len(subset))
         _write_atomic(tensors, metadata, path)
         logger.info(f"encoded shard {index} ({len(subset)} images) in {time.perf_counter() - start:.1f}s: {path}")
@@ -199,6 +208,7 @@ def prepare_latents(source: Dataset, out: str | Path, tokenizer, *, image_size: 
         if complete:
             meta = build_meta(out, num_shards, record, image_size, num_classes, classes, flip, dtype,
                               normalization, scale_factor, description)  # fmt: skip
+            meta["images"] = store_images
             if record["decoder_sha256"] is None:
                 logger.warning(f"no decoder file in the tokenizer folder {str(tokenizer.checkpoint_dir)!r}: meta.json "
                                "records no decoder hash; decoding is checked by kind, channels and downsample "
@@ -300,7 +310,7 @@ def run_prepare(args: argparse.Namespace, source: Dataset, image_size: int, num_
                         classes=classes, shard_size=args.shard_size, batch_size=args.batch_size,
                         num_workers=args.num_workers, flip=not args.no_flip, normalization=args.normalization,
                         scale_factor=args.scale_factor, dtype=args.dtype, max_shards=args.max_shards, rank=rank,
-                        world_size=world, description=description)  # fmt: skip
+                        world_size=world, description=description, store_images=args.store_images)  # fmt: skip
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -46,7 +46,8 @@ def data_record(job_config, dataset: Dataset) -> dict:
     if hasattr(dataset, "seq_len"):  # text: windows of seq_len tokens
         record["seq_len"] = int(dataset.seq_len)
     else:  # images or latents: the (C, H, W) the model is trained on
-        record["sample_shape"] = [int(n) for n in dataset[0][0].shape]
+        sample = dataset[0][0]
+        record["sample_shape"] = [int(n) for n in getattr(sample, "latents", sample).shape]  # LatentsAndImages
     record.update(getattr(dataset, "tokenizer_identity", None) or {})
     meta = getattr(dataset, "meta", None)  # prepared latents: the image tokenizer that encoded them
     if isinstance(meta, dict) and isinstance(meta.get("tokenizer"), dict):

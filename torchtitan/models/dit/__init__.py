@@ -123,8 +123,10 @@ def _build_dataloader(job_config, model_args: DiTArgs, dp_rank: int, dp_world: i
     from torchtitan.datasets import build_dataloader
 
     assert split == "train", "the image datasets hold out no split (config_validation refuses [validation])"
+    # An aligning latent model's encoder needs the images its latents encode (a pixel model's inputs are them).
+    images = bool(model_args.align_depth) and model_args.in_channels not in (1, 3)
     return build_dataloader(job_config.training, model_args, dp_rank, dp_world, job_config.debug.seed, poisson_steps,
-                            job_config.latent)  # fmt: skip
+                            job_config.latent, images)  # fmt: skip
 
 
 register_train_spec(
