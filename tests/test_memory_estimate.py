@@ -460,6 +460,7 @@ SHIPPED_FITS = {
     "llama3_8b.toml": (1, "cuda", H200),
     "llama3_debug.toml": (1, "cpu", 4.0),
     "llama3_lab.toml": (1, "cpu", 16.0),
+    "sit_xl2_repa.toml": (1, "cuda", H100),
 }
 
 
@@ -470,12 +471,16 @@ def _memory(monkeypatch, gib: float, where: str = "the host's available RAM (Mem
 
 
 @parent_only
-def test_every_shipped_config_passes_the_memory_check_where_it_says_it_fits(monkeypatch):
+def test_every_shipped_config_passes_the_memory_check_where_it_says_it_fits(monkeypatch, tmp_path):
+    from tests.test_alignment import write_tiny_dinov2
     from torchtitan.tools.memory_estimate import check_memory
 
     assert sorted(SHIPPED_FITS) == sorted(path.name for path in (ROOT / "train_configs").glob("*.toml"))
+    # A stand-in for an [alignment] config's DINOv2-B/14: its width (768) is what sizes the projector.
+    encoder = ["--alignment.encoder_path", str(write_tiny_dinov2(tmp_path / "vitb14.pth", dim=768, depth=0, grid=2))]
     for name, (world_size, device, gib) in SHIPPED_FITS.items():
-        cfg = parse_args(["--job.config_file", str(ROOT / "train_configs" / name)])
+        aligns = "[alignment]" in (ROOT / "train_configs" / name).read_text()
+        cfg = parse_args(["--job.config_file", str(ROOT / "train_configs" / name), *(encoder if aligns else [])])
         _memory(monkeypatch, gib, "its total memory")
         check_memory(cfg, None, world_size, torch.device(device))  # raises if refused
 

@@ -212,3 +212,28 @@ def test_repas_own_code_on_fresh_inputs():
     theirs = dict(reference.named_parameters())
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, theirs[name].grad, rtol=0, atol=1e-5, msg=name)
+
+
+def test_trainer_starts_from_the_repa_pt_with_its_projectors(tmp_path, tiny_flavor):
+    """checkpoint.initial_load_format = "repa_pt" with [alignment] of REPA's shapes (the committed 64-wide DINOv2,
+    block 2, 24 wide): the model and its EMA start at REPA's EMA weights, projectors included."""
+    from tests.conftest import TINY
+    from torchtitan.config_manager import parse_args
+    from torchtitan.trainer import Trainer
+
+    flags = [*TINY, "--job.dump_folder", str(tmp_path / "run"), "--model.flavor", FLAVOR, "--diffusion.objective",
+             "rectified_flow", "--diffusion.prediction", "velocity", "--training.dataset", "dummy",
+             "--training.local_batch_size", "2", "--training.ema_decay", "0.9", "--alignment.enable", "true",
+             "--alignment.encoder_path", str(DATA / "tiny_dinov2_reg.pth"), "--alignment.depth", "2",
+             "--alignment.projector_dim", "24", "--checkpoint.initial_load_path", str(CHECKPOINT),
+             "--checkpoint.initial_load_format", "repa_pt"]  # fmt: skip
+    expected = read_repa_pt(CHECKPOINT, TINY_ALIGNED)
+    trainer = Trainer(parse_args(flags))
+    try:
+        params = {name: p.detach() for name, p in trainer.model.named_parameters()}
+        assert sorted(params) == sorted(expected) and "projectors.0.4.weight" in params
+        shadow = dict(zip(trainer.ema.names, trainer.ema.shadow, strict=True))
+        for name, tensor in expected.items():
+            assert torch.equal(params[name], tensor) and torch.equal(shadow[name], tensor), name
+    finally:
+        trainer.close()

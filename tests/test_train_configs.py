@@ -7,12 +7,14 @@ flavor's width and depth, a few tokens, local files made here in place of the da
 """
 
 import dataclasses
+import tomllib
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
 from tests.conftest import ROOT, read_metrics, run_train
+from tests.test_alignment import write_tiny_dinov2
 from tests.test_cosmos_latent_decoder import make_image_folder, make_jit_tokenizer
 from tests.test_latents import prepare_folder, write_cifar10
 from torchtitan.config_manager import parse_args
@@ -31,13 +33,22 @@ def local_data(tmp_path_factory) -> dict[str, Path]:
     data = {"cifar10": write_cifar10(root / "cifar-10-batches-py", per_batch=4)}
     for channels, folder in ((16, "Cosmos-0.1-Tokenizer-CI8x8"), (4, "sd-vae")):
         make_jit_tokenizer(root / folder, channels=channels, downsample=4)
-        assert prepare_folder(images, root / folder, root / f"latents{channels}")
+        # The 4-channel latents keep their images, which an [alignment] config's encoder sees (--store-images).
+        assert prepare_folder(images, root / folder, root / f"latents{channels}", store_images=channels == 4)
         data[f"latents{channels}"], data[f"tokenizer{channels}"] = root / f"latents{channels}", root / folder
+    data["encoder"] = write_tiny_dinov2(root / "dinov2_vitb14_pretrain.pth", grid=37)  # [alignment]'s, 64 wide
     return data
 
 
+def encoder_args(config: Path, data: dict[str, Path]) -> list[str]:
+    """An [alignment] config's encoder replaced by the tiny one (its file is read when the config is)."""
+    with open(config, "rb") as f:
+        aligns = tomllib.load(f).get("alignment", {}).get("enable", False)
+    return ["--alignment.encoder_path", str(data["encoder"])] if aligns else []
+
+
 def tiny_args(config: Path, data: dict[str, Path], dump_folder: Path) -> list[str]:
-    cfg = parse_args(["--job.config_file", str(config)])
+    cfg = parse_args(["--job.config_file", str(config), *encoder_args(config, data)])
     args = build_model_args(get_train_spec(cfg.model.name), cfg)
     if cfg.model.name == "llama3":  # the debug flavor on a few short windows; a validation at the last step
         return ["--job.config_file", str(config), "--job.dump_folder", str(dump_folder), "--model.flavor",
@@ -45,8 +56,10 @@ def tiny_args(config: Path, data: dict[str, Path], dump_folder: Path) -> list[st
                 "--metrics.log_freq", "1", "--checkpoint.enable", "true", "--checkpoint.interval", "2",
                 "--validation.enable", "true", "--validation.steps", "1"]  # fmt: skip
     keep = {name: getattr(args, name) for name in ("norm", "mlp", "qk_norm", "pos_embed", "learn_sigma", "patch_size",
-                                                   "in_channels")}  # fmt: skip
+                                                   "in_channels", "timestep_scale")}  # fmt: skip
     out = ["--job.config_file", str(config), "--job.dump_folder", str(dump_folder), "--model.flavor", "debug"]
+    if cfg.alignment.enable:  # a block of the debug flavor's 4, a narrow projector
+        out += [*encoder_args(config, data), "--alignment.depth", "2", "--alignment.projector_dim", "32"]
     out += [f"--model.{name}={str(v).lower() if isinstance(v, bool) else v}" for name, v in keep.items()]
     if cfg.training.dataset == "latents":
         latents = f"latents{args.in_channels}"
@@ -68,17 +81,22 @@ def tiny_args(config: Path, data: dict[str, Path], dump_folder: Path) -> list[st
 
 def test_the_tiny_variant_keeps_each_config_s_choices(local_data, tmp_path):
     for config in CONFIGS:
-        full = parse_args(["--job.config_file", str(config)])
+        full = parse_args(["--job.config_file", str(config), *encoder_args(config, local_data)])
         tiny = parse_args(tiny_args(config, local_data, tmp_path))
         spec = get_train_spec(full.model.name)
         a, b = build_model_args(spec, full), build_model_args(spec, tiny)
         changed = {f.name for f in dataclasses.fields(a) if getattr(a, f.name) != getattr(b, f.name)}
         shape = {"dim", "depth", "num_heads", "input_size", "num_classes", "multiple_of"}  # DiT
+        shape |= {"align_depth", "align_projector_dim"}  # REPA's block 8 of 28, 2048 wide: in the debug flavor
         shape |= {"n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "rope_theta", "rope_scaling",
                   "max_seq_len", "tie_embeddings"}  # Llama 3: the flavor (debugmodel) # fmt: skip
         assert changed <= shape, (config.name, changed)
         for section in ("diffusion", "compile", "activation_checkpoint", "dp", "quantize", "parallelism"):
             assert getattr(full, section) == getattr(tiny, section), (config.name, section)
+        assert (full.alignment.enable, full.alignment.coefficient) == (
+            tiny.alignment.enable,
+            tiny.alignment.coefficient,
+        )
 
 
 @pytest.mark.slow
@@ -88,7 +106,7 @@ def test_every_shipped_config_trains_samples_and_checkpoints(local_data, tmp_pat
     result = run_train(tiny_args(config, local_data, out), timeout=900)
     assert [m["step"] for m in read_metrics(out)] == [1, 2]
     assert (out / "checkpoint" / "step-2" / ".metadata").is_file()
-    cfg = parse_args(["--job.config_file", str(config)])
+    cfg = parse_args(["--job.config_file", str(config), *encoder_args(config, local_data)])
     if cfg.model.name == "llama3":  # no images: a validation record instead
         assert "validation_loss" in read_metrics(out, validation=True)[-1]
         assert "ERROR" not in result.stderr, result.stderr[-3000:]

@@ -112,6 +112,9 @@ class Model:
     attn_window: int = -1
     """Override: windowed attention over the (2w+1) x (2w+1) token neighbourhood (FlexAttention);
     0 is global attention; -1 keeps the flavor's."""
+    timestep_scale: float = 0.0
+    """Override: the DiT embeds t x this; 0 keeps the flavor's (1; the SiT-* flavors' 0.001 embeds rectified flow's
+    t in [0, 1] as REPA's SiT does, which its weights need)."""
     sdpa_backends: list[str] = field(default_factory=lambda: ["cudnn", "flash", "efficient", "math"])
     """Attention kernels in priority order ('cudnn', 'flash', 'efficient', 'math'); the first that
     supports the shapes runs. cuDNN first: fastest measured on H100 at DiT head sizes (docs/benchmark_log.md)."""
@@ -320,10 +323,13 @@ class Checkpoint:
     config.json gives the model's norm eps, RoPE theta and scaling and max positions (the flavor's shapes are
     checked against it). 'dit_pt': a facebookresearch/DiT `.pt` file (a plain state dict, or train.py's checkpoint,
     whose EMA is taken), converted by torchtitan/models/dit/state_dict_adapter.py; needs model.pos_embed =
-    'sincos' and a flavor of the file's shapes. 'diffusers': a diffusers DiTTransformer2DModel folder (or a
-    DiTPipeline folder holding one), converted by torchtitan/models/dit/diffusers_adapter.py; its config must equal
-    the model's. From 'hf', 'dit_pt' and 'diffusers' the model only: the EMA starts at the loaded weights. The file
-    or folder is read whenever the run starts with no checkpoint of its own."""
+    'sincos' and a flavor of the file's shapes. 'repa_pt': a REPA (sihyun-yu/REPA) `.pt` (its train.py's checkpoint,
+    whose EMA is taken, or a plain state dict: SiT with alignment projectors), converted by
+    torchtitan/models/dit/repa_adapter.py; needs a SiT-* flavor, and takes the projectors when [alignment] is enabled
+    with their shapes. 'diffusers': a diffusers DiTTransformer2DModel folder (or a DiTPipeline folder holding one),
+    converted by torchtitan/models/dit/diffusers_adapter.py; its config must equal the model's. From 'hf', 'dit_pt',
+    'repa_pt' and 'diffusers' the model only: the EMA starts at the loaded weights. The file or folder is read
+    whenever the run starts with no checkpoint of its own."""
     last_save_model_only: bool = False
     """The final checkpoint holds model and EMA only."""
     export_dtype: str = "float32"

@@ -107,6 +107,10 @@ def parameter_shapes(args: DiTArgs) -> dict[str, tuple[int, ...]]:
         linear(f"blocks.{i}.adaLN_modulation.1", 6 * D, D)
     linear("final_layer.linear", p * p * args.out_channels, D)
     linear("final_layer.adaLN_modulation.1", 2 * D, D)
+    for i, out in enumerate(args.align_dims if args.align_depth else ()):  # REPA's projectors: 3 Linear layers
+        hidden = args.align_projector_dim
+        for j, (n_out, n_in) in enumerate(((hidden, D), (hidden, hidden), (out, hidden))):
+            linear(f"projectors.{i}.{2 * j}", n_out, n_in)
     return shapes
 
 
@@ -199,6 +203,12 @@ def head_saved_tensors(args: DiTArgs, kernels: frozenset[str] = frozenset()) -> 
     ]
     if args.learn_sigma:  # measured on CPU: the VLB term keeps about 16.5 image-sized fp32 tensors
         rows.append(SavedTensor("DDPM learned-sigma VLB term: ~16.5 x (B, C, H, W), fp32", 33 * image // 2, "fp32"))
+    for out in args.align_dims if args.align_depth else ():  # each projector and its cosine loss
+        hidden = args.align_projector_dim
+        rows.append(SavedTensor(f"projector: 2 Linear outputs and 2 SiLU outputs (B, T, {hidden})", 4 * T * hidden))
+        rows.append(
+            SavedTensor(f"projector output and the encoder's features (B, T, {out}), fp32", 2 * T * out, "fp32")
+        )
     labels = 2 if args.num_classes > 0 else 0  # an int64 label is two fp32-sized elements
     rows.append(SavedTensor("the returned per-sample loss (B,), fp32, and the labels (B,), int64", 1 + labels, "fp32"))
     return rows

@@ -61,6 +61,8 @@ def build_dit_args(args: DiTArgs, job_config) -> DiTArgs:
         args.num_classes = model_config.num_classes
     if model_config.attn_window >= 0:
         args.attn_window = model_config.attn_window
+    if model_config.timestep_scale > 0:
+        args.timestep_scale = model_config.timestep_scale
     for name in ("pos_embed", "norm", "mlp", "qk_norm", "learn_sigma"):
         if getattr(model_config, name) is not None:  # False overrides a flavor's True
             setattr(args, name, getattr(model_config, name))
