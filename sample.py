@@ -14,6 +14,9 @@ or set the rest (`--latent.tokenizer`, ...); its fixed sin-cos positions set `mo
 
     python sample.py --checkpoint DiT-XL-2-256x256.pt --flavor DiT-XL/2 [--model.KEY V ...] --out grid.png
 
+A REPA `.pt` (SiT with alignment projectors, told apart by itself) takes a SiT-* `--flavor`, which samples by
+rectified flow; the projectors are left out, as from every checkpoint (they only train).
+
 (its outputs are the reference's SD-VAE latents: a grid needs a `--latent.*` decoder). Weights load into a
 plain single-process model (torchtitan/models/dit/weights.py reads every format): DCP reads every shard itself,
 so no process group is needed. Latent models are
@@ -147,7 +150,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     """The flags; `--section.key value` config overrides (for a .pt checkpoint) are left in `overrides`."""
     parser = argparse.ArgumentParser(description="Sample images from a TorchDiTan checkpoint.")
     parser.add_argument("--checkpoint", required=True,
-                        help="run folder, DCP step folder, .safetensors export, facebookresearch/DiT .pt")  # fmt: skip
+                        help="run folder, DCP step folder, .safetensors export, DiT or REPA .pt")  # fmt: skip
     parser.add_argument("--config", default="", help="config.toml (default: the run's)")
     parser.add_argument("--flavor", default="", help="a .pt checkpoint's flavor, e.g. DiT-XL/2")
     parser.add_argument("--num-samples", type=int, default=16)

@@ -1,10 +1,12 @@
-"""DiT weights between formats: facebookresearch/DiT `.pt`, diffusers folders, our runs and `.safetensors` files.
+"""DiT weights between formats: facebookresearch/DiT and REPA `.pt`, diffusers folders, our runs and `.safetensors`.
 
     python scripts/convert_dit.py SRC DST [--to safetensors|diffusers] [--flavor F] [--model.KEY V ...]
 
 SRC is one of:
 - a facebookresearch/DiT `.pt` (a released plain state dict, or its train.py's checkpoint, whose EMA is taken):
   `--flavor` names its shapes and `--model.KEY V` overrides them (torchtitan/models/dit/state_dict_adapter.py);
+- a REPA `.pt` (sihyun-yu/REPA's SiT with projectors, told apart by itself), with a SiT-* `--flavor`: written
+  without the projectors, which only train (torchtitan/models/dit/repa_adapter.py);
 - a diffusers `DiTTransformer2DModel` folder, or a DiTPipeline folder holding one in transformer/
   (torchtitan/models/dit/diffusers_adapter.py);
 - one of our runs: its folder (ema.safetensors, else the EMA of its newest checkpoint), a DCP step folder, or a
@@ -102,7 +104,8 @@ def convert(src: Path, dst: Path, to: str, flavor: str = "", overrides: list[str
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("src", type=Path, help="a DiT .pt, a diffusers folder, a run folder, a step folder or export")
+    parser.add_argument("src", type=Path,
+                        help="a DiT or REPA .pt, a diffusers folder, a run, step folder or export")  # fmt: skip
     parser.add_argument("dst", type=Path, help="the .safetensors file or diffusers folder to write (must not exist)")
     parser.add_argument("--to", choices=["safetensors", "diffusers"], default="safetensors")
     parser.add_argument("--flavor", default="", help="a .pt's shapes, e.g. DiT-XL/2")
