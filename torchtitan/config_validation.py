@@ -37,6 +37,7 @@ _CHOICES = {
     "diffusion.objective": ("ddpm", "rectified_flow"),
     "diffusion.timestep_sampling": ("uniform", "logit_normal"),
     "diffusion.noise_schedule": ("linear", "cosine"),
+    "diffusion.time_input": ("1000t", "t", "1-t"),
     "optimizer.name": ("AdamW", "SGD"),
     "optimizer.implementation": ("fused", "foreach", "for-loop"),
     "lr_scheduler.decay_type": ("linear", "cosine", "sqrt"),
@@ -88,6 +89,7 @@ _BOUNDS = {
     "diffusion.logit_normal_std": "> 0",
     "diffusion.x_prediction_t_min": "in (0, 1)",
     "diffusion.class_dropout_prob": "in [0, 1)",
+    "diffusion.cosine_loss_weight": ">= 0",
     "optimizer.lr": "> 0",
     "optimizer.beta1": "in [0, 1)",
     "optimizer.beta2": "in [0, 1)",
@@ -292,6 +294,7 @@ def _check_combinations(cfg, errors: list[str]) -> None:
         hint = "; x-prediction (JiT) is rectified_flow's" if cfg.diffusion.prediction == "x" else ""
         errors.append(f"{at(cfg, 'diffusion.prediction')}: diffusion.objective {cfg.diffusion.objective!r} "
                       f"(in {cfg.source_of('diffusion.objective')}) predicts {predictions[0]!r}{hint}")  # fmt: skip
+    _check_flow_keys(cfg, errors)
     samplers = {"ddpm": ("default", "ddim", "ddpm"), "rectified_flow": ("default", "euler", "heun")}.get(
         cfg.diffusion.objective
     )
@@ -317,6 +320,16 @@ def _check_combinations(cfg, errors: list[str]) -> None:
     if cfg.checkpoint.create_seed_checkpoint and not cfg.checkpoint.enable:
         errors.append(f"{keys_in(cfg, 'checkpoint.create_seed_checkpoint', 'checkpoint.enable')}: "
                       "a seed checkpoint needs checkpoint.enable = true")  # fmt: skip
+
+
+def _check_flow_keys(cfg, errors: list[str]) -> None:
+    """The [diffusion] keys of rectified flow alone."""
+    d = cfg.diffusion
+    if d.objective == "ddpm":
+        for key, default in (("diffusion.time_input", "1000t"), ("diffusion.cosine_loss_weight", 0.0)):
+            if _value(cfg, key) != default:
+                errors.append(f"{at(cfg, key)}: rectified_flow's; diffusion.objective 'ddpm' (in "
+                              f"{cfg.source_of('diffusion.objective')}) reads integer timesteps")  # fmt: skip
 
 
 def _check_converters(cfg, errors: list[str]) -> None:

@@ -135,7 +135,15 @@ class Diffusion:
     logit_normal_mean: float = 0.0
     """Mean of the logit-normal timestep density."""
     logit_normal_std: float = 1.0
-    """Std of the logit-normal timestep density."""
+    """Std of the logit-normal timestep density. Mean 0, std 1 is LightningDiT's `use_lognorm` (its time runs the
+    other way, which this symmetric density does not see)."""
+    time_input: str = "1000t"
+    """What a rectified_flow model reads as its timestep, t being ours (0 data, 1 noise): '1000t' (the DDPM range),
+    't' (REPA's SiT) or '1-t' (SiT's and LightningDiT's transport: 1 is data; their model predicts data - noise, so
+    its velocity is negated). Weights of those references need their own; the path, loss and samplers stay ours."""
+    cosine_loss_weight: float = 0.0
+    """rectified_flow: weight of LightningDiT's velocity direction term added to each sample's loss, the mean over
+    positions of 1 - cos(v_hat, v) over the channels (LightningDiT: 1; 0: off)."""
     class_dropout_prob: float = 0.1
     """Probability a label is replaced by the null class (classifier-free guidance)."""
 
