@@ -7,6 +7,7 @@ file, "the command line" or "the defaults").
 
 import dataclasses
 import math
+import os
 
 
 class ConfigError(ValueError):
@@ -317,6 +318,10 @@ def _check_combinations(cfg, errors: list[str]) -> None:
         if getattr(cfg.optimizer, name) != getattr(type(cfg.optimizer)(), name):
             errors.append(f"{at(cfg, key)}: optimizer.name {cfg.optimizer.name!r} (in "
                           f"{cfg.source_of('optimizer.name')}) has no such setting")  # fmt: skip
+    if cfg.latent.stats_file and cfg.latent.scale_factor > 0:
+        errors.append(f"{keys_in(cfg, 'latent.stats_file', 'latent.scale_factor')}: two normalizations; set one")
+    if cfg.latent.stats_file and not os.path.isfile(cfg.latent.stats_file):
+        errors.append(f"{at(cfg, 'latent.stats_file')}: no such file (LightningDiT's latents_stats.pt)")
     if cfg.checkpoint.create_seed_checkpoint and not cfg.checkpoint.enable:
         errors.append(f"{keys_in(cfg, 'checkpoint.create_seed_checkpoint', 'checkpoint.enable')}: "
                       "a seed checkpoint needs checkpoint.enable = true")  # fmt: skip

@@ -401,6 +401,10 @@ class Latent:
     """Local folder of the tokenizer."""
     scale_factor: float = 0.0
     """Latent scale (e.g. SD 0.18215); 0 uses the statistics stored with the prepared data."""
+    stats_file: str = ""
+    """A LightningDiT `latents_stats.pt` ({'mean', 'std'} per channel): the per-channel normalization (z - mean) / std
+    applied in training and undone before decoding, in place of the statistics stored with the prepared data ('':
+    those)."""
     allow_tokenizer_mismatch: bool = False
     """Go on (with a warning) when this tokenizer is not the one the prepared latents' meta.json records."""
 

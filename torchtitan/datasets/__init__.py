@@ -13,8 +13,9 @@ def build_dataset(training_config, model_args, latent_config=None) -> Dataset:
     Args:
         training_config: the `[training]` section (dataset, dataset_path, image_size).
         model_args: the model's args (in_channels, input_size, num_classes).
-        latent_config: the `[latent]` section; for dataset 'latents' its scale_factor replaces the stored
-            normalization when > 0, and its tokenizer, when set, must be the one the latents were encoded with.
+        latent_config: the `[latent]` section; for dataset 'latents' its scale_factor (when > 0) or stats_file
+            replaces the stored normalization, and its tokenizer, when set, must be the one the latents were
+            encoded with.
 
     Raises:
         FileNotFoundError: the dataset path is missing or empty (the message names it).
@@ -48,7 +49,8 @@ def build_dataset(training_config, model_args, latent_config=None) -> Dataset:
         from torchtitan.job_config import Latent
 
         latent_config = latent_config or Latent()
-        dataset = LatentShardDataset(training_config.dataset_path, scale_factor=latent_config.scale_factor)
+        dataset = LatentShardDataset(training_config.dataset_path, scale_factor=latent_config.scale_factor,
+                                     stats_file=latent_config.stats_file)  # fmt: skip
         if latent_config.tokenizer:  # without one the latents train as they are (no decoding)
             check_tokenizer_matches(dataset.meta, latent_config, source=dataset.root)
     else:

@@ -25,6 +25,23 @@ NUMPY_ARRAY_GLOBALS = frozenset(
     }
 )
 
+# What `torch.save` writes for tensors and state dicts: the tensor rebuild functions, storage types and dtypes, and
+# OrderedDict. The readers of weight and statistics files (LightningDiT's checkpoints and latents_stats.pt, LDM
+# autoencoders) admit these and their own few more.
+TORCH_TENSOR_GLOBALS = frozenset(
+    {
+        ("torch._utils", "_rebuild_tensor_v2"),
+        ("torch._utils", "_rebuild_parameter"),
+        *(
+            ("torch", name)
+            for name, value in vars(torch).items()
+            if isinstance(value, type) and name.endswith("Storage")
+        ),
+        *(("torch", name) for name, value in vars(torch).items() if isinstance(value, torch.dtype)),
+        ("collections", "OrderedDict"),
+    }
+)
+
 
 class UnsafePickleError(pickle.UnpicklingError, ValueError):
     """A pickle names a global outside its reader's allow-list; nothing the pickle names was called. A ValueError
