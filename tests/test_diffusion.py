@@ -350,6 +350,44 @@ def test_ddpm_sampler_is_ddpms_only():
         parse_args(["--diffusion.objective", "rectified_flow", "--sampling.sampler", "ddpm"])
 
 
+def test_cosine_loss_and_its_gradients_equal_lightningdits_transport():
+    """LightningDiT's transport loss (use_cosine_loss, its own code when the data was made) on recorded data, noise and
+    times of its own convention (t = 1 data) and its train.py's total mean(mse + cos): our per-sample loss under
+    cosine_loss_weight 1 and time_input '1-t' (our t = 1 - its) equals mse + cos per sample, and the gradient of the
+    mean, taken through the weight conversion back to every parameter of the reference (its RMSNorm weights, its
+    permuted q/k rows), equals the reference's: 1e-5 (measured 1e-7)."""
+    from safetensors.torch import load_file
+    from torch.func import functional_call
+
+    from tests.test_lightningdit_weights import CHECKPOINT, REFERENCE_IO, TINY_TRAIN
+    from torchtitan.models.dit import DiT
+    from torchtitan.models.dit.lightningdit_adapter import LIGHTNINGDIT_PT_PICKLE_GLOBALS, from_lightningdit
+    from torchtitan.tools import safe_pickle
+
+    io = load_file(REFERENCE_IO)
+    with open(CHECKPOINT, "rb") as f:
+        reference = safe_pickle.torch_load(f, LIGHTNINGDIT_PT_PICKLE_GLOBALS, str(CHECKPOINT), "a checkpoint")["ema"]
+    leaves = {k: v.clone().requires_grad_(f"grad.{k}" in io) for k, v in reference.items()}
+    model = DiT(TINY_TRAIN)
+    model.init_weights()  # the position buffers
+    weights = from_lightningdit(leaves, TINY_TRAIN)  # differentiable in the reference's tensors
+    flow = RectifiedFlow("logit_normal", time_input="1-t", cosine_loss_weight=1.0)
+    loss, _ = flow.training_losses(lambda *a: functional_call(model.eval(), weights, a), io["loss_x1"], io["loss_y"],
+                                   t=1 - io["loss_t"], noise=io["loss_x0"])  # fmt: skip
+    assert (loss - (io["loss_mse"] + io["loss_cos"])).abs().max().item() <= 1e-5
+    assert io["loss_cos"].min() > 0.1  # the direction term is a sizeable part of each loss
+    loss.mean().backward()
+    trained = [k for k, v in leaves.items() if v.requires_grad]
+    assert len(trained) == sum(k.startswith("grad.") for k in io) > 30
+    for name in trained:
+        assert (leaves[name].grad - io[f"grad.{name}"]).abs().max().item() <= 1e-5, name
+    # Without the direction term the loss is the reference's mse alone.
+    mse, _ = RectifiedFlow(time_input="1-t").training_losses(lambda *a: functional_call(model, weights, a),
+                                                             io["loss_x1"], io["loss_y"], t=1 - io["loss_t"],
+                                                             noise=io["loss_x0"])  # fmt: skip
+    assert (mse - io["loss_mse"]).abs().max().item() <= 1e-5
+
+
 def test_cosine_loss_closed_form_and_time_inputs():
     """The direction term: per sample, the mean over positions of 1 - cos over channels, weighted; the model reads
     1000 t, t or 1 - t, and under '1-t' its output is a velocity of the reversed time (negated)."""

@@ -46,7 +46,7 @@ _CHOICES = {
     "training.mixed_precision_reduce": ("float32", "bfloat16"),
     "parallelism.fsdp_reshard_after_forward": ("default", "always", "never"),
     "checkpoint.async_mode": ("disabled", "async"),
-    "checkpoint.initial_load_format": ("dcp", "hf", "dit_pt", "diffusers"),
+    "checkpoint.initial_load_format": ("dcp", "hf", "dit_pt", "diffusers", "lightningdit_pt"),
     "checkpoint.export_dtype": ("float32", "bfloat16"),
     "activation_checkpoint.mode": ("none", "full", "selective"),
     "compile.mode": ("default", "max-autotune-no-cudagraphs"),
@@ -328,13 +328,20 @@ def _check_combinations(cfg, errors: list[str]) -> None:
 
 
 def _check_flow_keys(cfg, errors: list[str]) -> None:
-    """The [diffusion] keys of rectified flow alone."""
+    """The [diffusion] keys of rectified flow alone, and LightningDiT weights' flow (their transport's time)."""
     d = cfg.diffusion
     if d.objective == "ddpm":
         for key, default in (("diffusion.time_input", "1000t"), ("diffusion.cosine_loss_weight", 0.0)):
             if _value(cfg, key) != default:
                 errors.append(f"{at(cfg, key)}: rectified_flow's; diffusion.objective 'ddpm' (in "
                               f"{cfg.source_of('diffusion.objective')}) reads integer timesteps")  # fmt: skip
+    if cfg.checkpoint.initial_load_format == "lightningdit_pt":
+        wanted = {"diffusion.objective": "rectified_flow", "diffusion.prediction": "velocity",
+                  "diffusion.time_input": "1-t"}  # fmt: skip
+        wrong = [f"{key} = {value!r}" for key, value in wanted.items() if _value(cfg, key) != value]
+        if wrong:
+            errors.append(f"{at(cfg, 'checkpoint.initial_load_format')}: LightningDiT's weights predict velocity in "
+                          f"its transport's time (1 is data); set {', '.join(wrong)}")  # fmt: skip
 
 
 def _check_converters(cfg, errors: list[str]) -> None:

@@ -308,7 +308,10 @@ class Checkpoint:
     whose EMA is taken), converted by torchtitan/models/dit/state_dict_adapter.py; needs model.pos_embed =
     'sincos' and a flavor of the file's shapes. 'diffusers': a diffusers DiTTransformer2DModel folder (or a
     DiTPipeline folder holding one), converted by torchtitan/models/dit/diffusers_adapter.py; its config must equal
-    the model's. From 'hf', 'dit_pt' and 'diffusers' the model only: the EMA starts at the loaded weights. The file
+    the model's. 'lightningdit_pt': a hustvl/LightningDiT `.pt` (train.py's checkpoint, whose EMA is taken, or a state
+    dict), converted by torchtitan/models/dit/lightningdit_adapter.py; needs a LightningDiT-* flavor of its shapes and
+    its transport's time (diffusion.time_input = '1-t'). From 'hf', 'dit_pt', 'diffusers' and 'lightningdit_pt' the
+    model only: the EMA starts at the loaded weights. The file
     or folder is read whenever the run starts with no checkpoint of its own."""
     last_save_model_only: bool = False
     """The final checkpoint holds model and EMA only."""

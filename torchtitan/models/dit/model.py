@@ -29,7 +29,8 @@ def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_
 
 
 # Position encodings, norms and MLPs a DiT can use (DiTArgs.pos_embed, .norm, .mlp).
-POS_EMBEDS = ("rope2d", "sincos", "learned")
+# "sincos_rope2d": the fixed sin-cos table added to the tokens and 2D RoPE in attention, both (LightningDiT).
+POS_EMBEDS = ("rope2d", "sincos", "learned", "sincos_rope2d")
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu")
 # Keys that DiTArgs once had and exported "model_args" metadata may still carry: the fused kernels' switches, now
@@ -50,7 +51,7 @@ class DiTArgs:
     mlp_ratio: float = 4.0
     num_classes: int = 1000  # 0: unconditional
     learn_sigma: bool = True  # output 2 * in_channels: epsilon and the variance interpolation
-    pos_embed: str = "rope2d"  # "rope2d" | "sincos" | "learned"
+    pos_embed: str = "rope2d"  # "rope2d" | "sincos" | "learned" | "sincos_rope2d"
     norm: str = "layernorm"  # "layernorm" | "rmsnorm"
     mlp: str = "gelu"  # "gelu" | "swiglu"
     qk_norm: bool = False
@@ -82,6 +83,10 @@ class DiTArgs:
         return self.dim // self.num_heads
 
     @property
+    def uses_rope(self) -> bool:
+        return self.pos_embed in ("rope2d", "sincos_rope2d")
+
+    @property
     def mlp_hidden_dim(self) -> int:
         hidden = int(self.dim * self.mlp_ratio)
         if self.mlp == "swiglu":
@@ -97,8 +102,8 @@ class DiTArgs:
             raise ValueError(f"dim {self.dim} is not divisible by num_heads {self.num_heads}")
         if self.attn_window < 0:
             raise ValueError(f"attn_window must be >= 0, got {self.attn_window}")
-        if self.pos_embed == "rope2d" and self.head_dim % 4 != 0:
-            raise ValueError(f"rope2d needs head_dim divisible by 4, got {self.head_dim}")
+        if self.uses_rope and self.head_dim % 4 != 0:
+            raise ValueError(f"{self.pos_embed} needs head_dim divisible by 4, got {self.head_dim}")
         for name, value, allowed in (
             ("pos_embed", self.pos_embed, POS_EMBEDS),
             ("norm", self.norm, NORMS),
@@ -362,11 +367,11 @@ class DiT(nn.Module):
     def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
         """x: (B, C, H, W), t: (B,) timesteps, y: (B,) labels (num_classes = null) -> (B, C_out, H, W)."""
         h = self.x_embedder(x)  # (B, T, D)
-        if self.args.pos_embed == "sincos":
+        if self.args.pos_embed in ("sincos", "sincos_rope2d"):
             h = h + self.sincos.to(h.dtype)
         elif self.pos_embed is not None:
             h = self.pos_embed(h)
-        rope = self.rope if self.args.pos_embed == "rope2d" else None
+        rope = self.rope if self.args.uses_rope else None
         c = self.t_embedder(t)  # (B, D)
         if self.y_embedder is not None:
             c = c + self.y_embedder(y)

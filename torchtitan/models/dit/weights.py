@@ -1,5 +1,6 @@
-"""DiT weights into a plain model, from wherever they are: a run folder, a DCP step folder, a `.safetensors` export
-or a facebookresearch/DiT `.pt` (a recognizable SiT file is refused: state_dict_adapter.py). Used by `sample.py` and
+"""DiT weights into a plain model, from wherever they are: a run folder, a DCP step folder, a `.safetensors` export,
+a facebookresearch/DiT `.pt` (a recognizable SiT file is refused: state_dict_adapter.py) or a LightningDiT `.pt`
+(lightningdit_adapter.py, which also tells the two apart). Used by `sample.py` and
 `scripts/convert_dit.py`.
 
 `resolve_checkpoint` finds the config and the weights: a run folder gives its `config.toml` and the weights of
@@ -45,23 +46,29 @@ def check_is_dit_run(config_file: Path) -> None:
                          "(model.name = 'dit')")  # fmt: skip
 
 
-def dit_pt_config(flavor: str, config: str, overrides: list[str]) -> JobConfig:
-    """The config of a facebookresearch/DiT `.pt` file: a DiT of `flavor` with its fixed sin-cos positions, then
-    the `--config` TOML and the `--section.key value` overrides."""
+def dit_pt_config(flavor: str, config: str, overrides: list[str], path: Path | None = None) -> JobConfig:
+    """The config of a `.pt` file: a DiT of `flavor`, then the `--config` TOML and the `--section.key value`
+    overrides. A facebookresearch/DiT file brings its fixed sin-cos positions; a LightningDiT file (`path` tells)
+    its transport's flow (lightningdit_adapter.py), its flavor the rest."""
     if not flavor and not any(arg.partition("=")[0] == "--model.flavor" for arg in overrides):
-        raise ValueError("--flavor: a .pt checkpoint has no run config; name its shapes' flavor, e.g. DiT-XL/2")
+        raise ValueError("--flavor: a .pt checkpoint has no run config; name its shapes' flavor, e.g. DiT-XL/2 or "
+                         "LightningDiT-XL/1")  # fmt: skip
+    from torchtitan.models.dit.lightningdit_adapter import LIGHTNINGDIT_CONFIG_FLAGS, is_lightningdit_pt
+
+    implied = list(LIGHTNINGDIT_CONFIG_FLAGS) if path and is_lightningdit_pt(path) else ["--model.pos_embed", "sincos"]
     argv = ["--job.config_file", config] if config else []
-    argv += ["--model.name", "dit", "--model.pos_embed", "sincos"] + (["--model.flavor", flavor] if flavor else [])
+    argv += ["--model.name", "dit", *implied] + (["--model.flavor", flavor] if flavor else [])
     return parse_args(argv + overrides)
 
 
 def resolve_checkpoint(path: Path, config: str = "", flavor: str = "",
                        overrides: list[str] | None = None) -> tuple[JobConfig, Path]:  # fmt: skip
-    """(the run's config, the weights: a .safetensors file, a DCP step folder or a facebookresearch/DiT .pt)."""
+    """(the run's config, the weights: a .safetensors file, a DCP step folder or a facebookresearch/DiT or LightningDiT
+    .pt)."""
     if not path.exists():
         raise FileNotFoundError(f"--checkpoint: {path} does not exist")
     if path.suffix == ".pt":
-        return dit_pt_config(flavor, config, overrides or []), path
+        return dit_pt_config(flavor, config, overrides or [], path), path
     if flavor or overrides:
         raise ValueError(f"--flavor and --section.key overrides are for .pt checkpoints: {path} is a run's, whose "
                          "config.toml gives the model")  # fmt: skip
@@ -111,10 +118,13 @@ def load_model(cfg: JobConfig, weights: Path, device: torch.device):
     model.to_empty(device=device)
     model.init_weights()  # also computes the non-persistent buffers (positions) the weights file lacks
     if weights.suffix == ".pt":
+        from torchtitan.models.dit.lightningdit_adapter import is_lightningdit_pt, read_lightningdit_pt
         from torchtitan.models.dit.state_dict_adapter import read_dit_pt
 
-        model.load_state_dict(read_dit_pt(weights, model_args), strict=True)
-        which = f"facebookresearch/DiT weights of {weights}"
+        lightningdit = is_lightningdit_pt(weights)
+        read = read_lightningdit_pt if lightningdit else read_dit_pt
+        model.load_state_dict(read(weights, model_args), strict=True)
+        which = f"{'LightningDiT' if lightningdit else 'facebookresearch/DiT'} weights of {weights}"
     elif weights.is_file():
         from safetensors.torch import load_file
 
