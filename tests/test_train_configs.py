@@ -24,7 +24,7 @@ CLASSES = 3  # of the image folder the latents are prepared from
 
 @pytest.fixture(scope="module")
 def local_data(tmp_path_factory) -> dict[str, Path]:
-    """Stand-ins for what the configs point at: CIFAR-10 batches, and latents of 16 and of 4 channels, prepared
+    """Stand-ins for what the configs point at: CIFAR-10 batches, and latents of 16, 4 and 32 channels, prepared
     by tokenizers in folders named as the configs name theirs (the latents record it)."""
     root = tmp_path_factory.mktemp("data")
     images = make_image_folder(root / "images", classes=CLASSES)
@@ -33,7 +33,22 @@ def local_data(tmp_path_factory) -> dict[str, Path]:
         make_jit_tokenizer(root / folder, channels=channels, downsample=4)
         assert prepare_folder(images, root / folder, root / f"latents{channels}")
         data[f"latents{channels}"], data[f"tokenizer{channels}"] = root / f"latents{channels}", root / folder
+    # 32 channels (VA-VAE's) from a tiny diffusers AutoencoderKL, the kind scripts/convert_vavae.py writes.
+    make_diffusers_vae(root / "vavae_diffusers", channels=32)
+    assert prepare_folder(images, root / "vavae_diffusers", root / "latents32", kind="diffusers")
+    data["latents32"], data["tokenizer32"] = root / "latents32", root / "vavae_diffusers"
     return data
+
+
+def make_diffusers_vae(folder: Path, channels: int) -> None:
+    """A tiny random diffusers AutoencoderKL of downsample 4 (16 px images -> 4 x 4 latents)."""
+    import torch
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(0)
+    AutoencoderKL(block_out_channels=(8, 8, 8), down_block_types=("DownEncoderBlock2D",) * 3,
+                  up_block_types=("UpDecoderBlock2D",) * 3, layers_per_block=1, latent_channels=channels,
+                  norm_num_groups=4, sample_size=16).save_pretrained(str(folder))  # fmt: skip
 
 
 def tiny_args(config: Path, data: dict[str, Path], dump_folder: Path) -> list[str]:
