@@ -14,10 +14,20 @@ or set the rest (`--latent.tokenizer`, ...); its fixed sin-cos positions set `mo
 
     python sample.py --checkpoint DiT-XL-2-256x256.pt --flavor DiT-XL/2 [--model.KEY V ...] --out grid.png
 
-A REPA `.pt` (SiT with alignment projectors, told apart by itself) takes a SiT-* `--flavor`, which samples by
-rectified flow; the projectors are left out, as from every checkpoint (they only train).
+(its outputs are the reference's SD-VAE latents: a grid needs a `--latent.*` decoder). A hustvl/LightningDiT
+`.pt` (told apart by its keys) samples the same way with a LightningDiT-* flavor, in its transport's flow (t = 1 is
+data: `diffusion.time_input = "1-t"`, set for it), decoded through the VA-VAE converted by scripts/convert_vavae.py
+and un-normalized with its latents_stats.pt (docs/latent.md, "Reaching FID 2 sooner"):
 
-(its outputs are the reference's SD-VAE latents: a grid needs a `--latent.*` decoder). Weights load into a
+    python sample.py --checkpoint lightningdit-xl-imagenet256-64ep.pt --flavor LightningDiT-XL/1 \
+        --latent.tokenizer diffusers --latent.checkpoint_dir vavae_diffusers \
+        --latent.stats_file latents_stats.pt --cfg-scale 10 --guidance-channels 3 --steps 250 --out grid.png
+
+A REPA `.pt` (SiT with alignment projectors, told apart by its keys) takes a SiT-* `--flavor` and samples in its
+SiT's flow (`diffusion.time_input = "t"`, set for it); the projectors are left out, as from every checkpoint (they
+only train).
+
+Weights load into a
 plain single-process model (torchtitan/models/dit/weights.py reads every format): DCP reads every shard itself,
 so no process group is needed. Latent models are
 decoded through the run's `[latent]` tokenizer (its decoder alone), un-normalized with the statistics stored
@@ -150,9 +160,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     """The flags; `--section.key value` config overrides (for a .pt checkpoint) are left in `overrides`."""
     parser = argparse.ArgumentParser(description="Sample images from a TorchDiTan checkpoint.")
     parser.add_argument("--checkpoint", required=True,
-                        help="run folder, DCP step folder, .safetensors export, DiT or REPA .pt")  # fmt: skip
+                        help="run folder, DCP step folder, .safetensors export, facebookresearch/DiT, REPA or "
+                             "LightningDiT .pt")  # fmt: skip
     parser.add_argument("--config", default="", help="config.toml (default: the run's)")
-    parser.add_argument("--flavor", default="", help="a .pt checkpoint's flavor, e.g. DiT-XL/2")
+    parser.add_argument("--flavor", default="", help="a .pt checkpoint's flavor, e.g. DiT-XL/2, LightningDiT-XL/1")
     parser.add_argument("--num-samples", type=int, default=16)
     parser.add_argument("--classes", default="", help="comma-separated class indices, cycled over the samples")
     parser.add_argument("--cfg-scale", type=float, default=None, help="default: the run's sampling.cfg_scale")

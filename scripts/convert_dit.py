@@ -1,4 +1,5 @@
-"""DiT weights between formats: facebookresearch/DiT and REPA `.pt`, diffusers folders, our runs and `.safetensors`.
+"""DiT weights between formats: facebookresearch/DiT, REPA and LightningDiT `.pt`, diffusers folders, our runs and
+`.safetensors` files.
 
     python scripts/convert_dit.py SRC DST [--to safetensors|diffusers] [--flavor F] [--model.KEY V ...]
 
@@ -7,13 +8,17 @@ SRC is one of:
   `--flavor` names its shapes and `--model.KEY V` overrides them (torchtitan/models/dit/state_dict_adapter.py);
 - a REPA `.pt` (sihyun-yu/REPA's SiT with projectors, told apart by itself), with a SiT-* `--flavor`: written
   without the projectors, which only train (torchtitan/models/dit/repa_adapter.py);
+- a hustvl/LightningDiT `.pt` (told apart by its keys; train.py's checkpoint, whose EMA is taken, or a state dict):
+  `--flavor LightningDiT-XL/1` or another LightningDiT-* (torchtitan/models/dit/lightningdit_adapter.py);
 - a diffusers `DiTTransformer2DModel` folder, or a DiTPipeline folder holding one in transformer/
   (torchtitan/models/dit/diffusers_adapter.py);
 - one of our runs: its folder (ema.safetensors, else the EMA of its newest checkpoint), a DCP step folder, or a
   `.safetensors` export beside its config.toml (read as sample.py reads them: torchtitan/models/dit/weights.py).
 DST, with `--to safetensors` (the default): one file in our parameter names, which loads with
 `load_state_dict(strict=True)` into `DiT(DiTArgs(...))` of the flavor; its metadata holds the DiTArgs as JSON
-("model_args"), as the trainer's ema.safetensors export does. With `--to diffusers`: a DiTPipeline folder
+("model_args"), as the trainer's ema.safetensors export does, and, from a `.pt`, the flow it samples with
+("diffusion": objective, prediction, time_input; a LightningDiT file's is its transport's, time_input '1-t', which
+the config.toml that samples from the file must repeat). With `--to diffusers`: a DiTPipeline folder
 (transformer/, scheduler/ with the run's DDPM schedule, model_index.json; no VAE) for diffusers' `DiTPipeline`,
 whose outputs differ slightly from ours (docs/checkpoint.md says why).
 
@@ -62,13 +67,14 @@ def read_source(src: Path, flavor: str, overrides: list[str]) -> tuple[dict, obj
     return {name: tensor.detach() for name, tensor in model.state_dict().items()}, args, cfg
 
 
-def write_safetensors(state: dict, args, dst: Path) -> None:
+def write_safetensors(state: dict, args, dst: Path, diffusion: dict | None = None) -> None:
     from safetensors.torch import save_file
 
     tmp = dst.with_name(dst.name + ".tmp")
-    save_file(
-        {k: v.contiguous() for k, v in state.items()}, str(tmp), metadata={"model_args": json.dumps(args.__dict__)}
-    )
+    metadata = {"model_args": json.dumps(args.__dict__)}
+    if diffusion:
+        metadata["diffusion"] = json.dumps(diffusion)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata=metadata)
     tmp.replace(dst)  # whole or absent
 
 
@@ -97,18 +103,21 @@ def convert(src: Path, dst: Path, to: str, flavor: str = "", overrides: list[str
                         "num_timesteps": diffusion.num_timesteps}  # fmt: skip
         save_diffusers_folder(state, args, dst, **schedule)
     else:
-        write_safetensors(state, args, dst)
+        flow = None
+        if cfg is not None and src.suffix == ".pt":  # a .pt has no config.toml: say how its weights sample
+            flow = {key: getattr(cfg.diffusion, key) for key in ("objective", "prediction", "time_input")}
+        write_safetensors(state, args, dst, flow)
     logger.info(f"wrote {dst} ({to}) from {src}")
     return dst
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("src", type=Path,
-                        help="a DiT or REPA .pt, a diffusers folder, a run, step folder or export")  # fmt: skip
+    parser.add_argument("src", type=Path, help="a DiT, REPA or LightningDiT .pt, a diffusers folder, a run folder, a "
+                        "step folder or export")  # fmt: skip
     parser.add_argument("dst", type=Path, help="the .safetensors file or diffusers folder to write (must not exist)")
     parser.add_argument("--to", choices=["safetensors", "diffusers"], default="safetensors")
-    parser.add_argument("--flavor", default="", help="a .pt's shapes, e.g. DiT-XL/2")
+    parser.add_argument("--flavor", default="", help="a .pt's shapes, e.g. DiT-XL/2 or LightningDiT-XL/1")
     args, overrides = parser.parse_known_args(argv)
     unknown = [arg for arg in overrides if arg.startswith("-") and not arg.startswith("--model.")]
     if unknown:

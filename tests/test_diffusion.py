@@ -348,3 +348,79 @@ def test_ddpm_sampler_is_ddpms_only():
     refusal = r"sampling.sampler = 'ddpm' in the command line: .*'rectified_flow' .*samples with \['default', 'euler'"
     with pytest.raises(ConfigError, match=refusal):
         parse_args(["--diffusion.objective", "rectified_flow", "--sampling.sampler", "ddpm"])
+
+
+def test_cosine_loss_and_its_gradients_equal_lightningdits_transport():
+    """LightningDiT's transport loss (use_cosine_loss, its own code when the data was made) on recorded data, noise and
+    times of its own convention (t = 1 data) and its train.py's total mean(mse + cos): our per-sample loss under
+    cosine_loss_weight 1 and time_input '1-t' (our t = 1 - its) equals mse + cos per sample, and the gradient of the
+    mean, taken through the weight conversion back to every parameter of the reference (its RMSNorm weights, its
+    permuted q/k rows), equals the reference's: 1e-5 (measured 1e-7)."""
+    from safetensors.torch import load_file
+    from torch.func import functional_call
+
+    from tests.test_lightningdit_weights import CHECKPOINT, REFERENCE_IO, TINY_TRAIN
+    from torchtitan.models.dit import DiT
+    from torchtitan.models.dit.lightningdit_adapter import LIGHTNINGDIT_PT_PICKLE_GLOBALS, from_lightningdit
+    from torchtitan.tools import safe_pickle
+
+    io = load_file(REFERENCE_IO)
+    with open(CHECKPOINT, "rb") as f:
+        reference = safe_pickle.torch_load(f, LIGHTNINGDIT_PT_PICKLE_GLOBALS, str(CHECKPOINT), "a checkpoint")["ema"]
+    leaves = {k: v.clone().requires_grad_(f"grad.{k}" in io) for k, v in reference.items()}
+    model = DiT(TINY_TRAIN)
+    model.init_weights()  # the position buffers
+    weights = from_lightningdit(leaves, TINY_TRAIN)  # differentiable in the reference's tensors
+    flow = RectifiedFlow("logit_normal", time_input="1-t", cosine_loss_weight=1.0)
+    loss, _ = flow.training_losses(lambda *a: functional_call(model.eval(), weights, a), io["loss_x1"], io["loss_y"],
+                                   t=1 - io["loss_t"], noise=io["loss_x0"])  # fmt: skip
+    assert (loss - (io["loss_mse"] + io["loss_cos"])).abs().max().item() <= 1e-5
+    assert io["loss_cos"].min() > 0.1  # the direction term is a sizeable part of each loss
+    loss.mean().backward()
+    trained = [k for k, v in leaves.items() if v.requires_grad]
+    assert len(trained) == sum(k.startswith("grad.") for k in io) > 30
+    for name in trained:
+        assert (leaves[name].grad - io[f"grad.{name}"]).abs().max().item() <= 1e-5, name
+    # Without the direction term the loss is the reference's mse alone.
+    mse, _ = RectifiedFlow(time_input="1-t").training_losses(lambda *a: functional_call(model, weights, a),
+                                                             io["loss_x1"], io["loss_y"], t=1 - io["loss_t"],
+                                                             noise=io["loss_x0"])  # fmt: skip
+    assert (mse - io["loss_mse"]).abs().max().item() <= 1e-5
+
+
+def test_cosine_loss_closed_form_and_time_inputs():
+    """The direction term: per sample, the mean over positions of 1 - cos over channels, weighted; the model reads
+    1000 t, t or 1 - t, and under '1-t' its output is a velocity of the reversed time (negated)."""
+    torch.manual_seed(0)
+    x0, noise, out = torch.randn(3, 4, 2, 2), torch.randn(3, 4, 2, 2), torch.randn(3, 4, 2, 2)
+    t = torch.tensor([0.1, 0.5, 0.9])
+    v = noise - x0
+    cos = (out * v).sum(1) / (out.norm(dim=1) * v.norm(dim=1))
+    expected = (v - out).pow(2).flatten(1).mean(1) + 0.5 * (1 - cos).flatten(1).mean(1)
+    loss, _ = RectifiedFlow(cosine_loss_weight=0.5).training_losses(lambda x, s, y: out, x0, None, t=t, noise=noise)
+    torch.testing.assert_close(loss, expected)
+    reversed_loss, _ = RectifiedFlow(cosine_loss_weight=0.5, time_input="1-t").training_losses(
+        lambda x, s, y: -out, x0, None, t=t, noise=noise
+    )
+    torch.testing.assert_close(reversed_loss, expected)  # -out in the reversed time is out in ours
+    seen = []
+    for time_input in ("1000t", "t", "1-t"):
+        RectifiedFlow(time_input=time_input).training_losses(lambda x, s, y: seen.append(s) or x, x0, None, t=t,
+                                                             noise=noise)  # fmt: skip
+    for read, expected_t in zip(seen, (t * 1000, t, 1 - t), strict=True):
+        torch.testing.assert_close(read, expected_t)
+    with pytest.raises(ConfigError, match=r"diffusion.cosine_loss_weight = 1.0 in the command line: rectified_flow's"):
+        parse_args(["--diffusion.objective", "ddpm", "--diffusion.cosine_loss_weight", "1"])
+
+
+def test_logit_normal_timesteps_are_lightningdits_in_either_direction():
+    """LightningDiT's use_lognorm draws its t as sigmoid(N(0, 1)) with t = 1 data; ours (mean 0, std 1) draws
+    sigmoid(z) with t = 1 noise. The density is symmetric about 1/2, so 1 - ours has the same law: both match the
+    closed-form CDF P(t <= x) = Phi(logit x)."""
+    generator = torch.Generator().manual_seed(0)
+    t = RectifiedFlow("logit_normal").sample_timesteps(200000, torch.device("cpu"), generator).double()
+    x = torch.tensor([0.05, 0.2, 0.35, 0.5, 0.65, 0.8, 0.95], dtype=torch.float64)
+    cdf = 0.5 * (1 + torch.erf(torch.log(x / (1 - x)) / math.sqrt(2)))
+    for draws in (t, 1 - t):
+        empirical = (draws[:, None] <= x).double().mean(0)
+        assert (empirical - cdf).abs().max() < 0.005  # 200,000 draws: the CDF's standard error is at most 0.0011

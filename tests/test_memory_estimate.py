@@ -456,6 +456,7 @@ SHIPPED_FITS = {
     "dit_xl2_latent256.toml": (1, "cuda", H100),
     "imagenet256_latent_dit_xl2.toml": (1, "cuda", 32e9 / GIB),
     "jit_b16_pixel256.toml": (1, "cuda", 24e9 / GIB),
+    "lightningdit_xl1_vavae.toml": (8, "cuda", H100),
     "llama3_1b.toml": (1, "cuda", H100),
     "llama3_8b.toml": (1, "cuda", H200),
     "llama3_debug.toml": (1, "cpu", 4.0),

@@ -27,7 +27,7 @@ from torchtitan.diffusion import sample_images
 from torchtitan.diffusion.objective import DiffusionObjective
 from torchtitan.job_config import Diffusion
 from torchtitan.models.dit import DiT, DiTArgs, dit_configs
-from torchtitan.models.dit.repa_adapter import from_repa, read_pt, read_repa_pt
+from torchtitan.models.dit.repa_adapter import from_repa, is_repa_pt, read_repa_pt
 from torchtitan.models.dit.state_dict_adapter import DIT_PT_PICKLE_GLOBALS, read_dit_pt
 from torchtitan.models.dit.weights import load_model, resolve_checkpoint
 from torchtitan.tools import safe_pickle
@@ -62,14 +62,14 @@ def _model(state: dict, args: DiTArgs = TINY_ALIGNED) -> DiT:
 
 
 def _our_losses(model: DiT, io: dict, zs: torch.Tensor) -> tuple[torch.Tensor, DiffusionObjective]:
-    diffusion = Diffusion(objective="rectified_flow", prediction="velocity")
+    diffusion = Diffusion(objective="rectified_flow", prediction="velocity", time_input="t")
     layout = BatchLayout(0, 1, 1, 1, 0, torch.device("cpu"))
     objective = DiffusionObjective(diffusion, model.args, layout, RepresentationAlignment(None, PROJ_COEFF))
     return objective.draw_losses(model, io["x"], io["y"], io["t"], io["noise"], [zs]), objective
 
 
 def test_losses_and_gradients_equal_repas_siloss():
-    """REPA's SILoss on its EMA SiT (linear path, v-prediction; t = 0 the data, t in [0, 1] embedded as is) and
+    """REPA's SILoss on its EMA SiT (linear path, v-prediction; t = 0 the data, time_input "t": read as it is) and
     train.py's `loss.mean() + proj_coeff * proj_loss.mean()`: our per-sample losses, summed as the trainer does,
     give the same denoising losses, projection loss and loss, and the same gradient for every parameter, projectors
     included (fp32, CPU, 1e-5; measured: 0 for the losses, 7e-9 for the gradients)."""
@@ -115,7 +115,6 @@ def test_without_alignment_the_projectors_are_left_out(committed):
 @pytest.mark.parametrize(
     "change, message",
     [
-        (dict(timestep_scale=1.0), r"REPA's SiT embeds t in \[0, 1\]; the model embeds t x 1 .*SiT-\* model.flavor"),
         (dict(align_depth=3), r"its projectors read block 2 \(its encoder_depth\), the run's alignment.depth is 3"),
         (dict(align_dims=(32,)), r"projectors.0.4.bias has shape \(64,\), the run's \(32,\)"),
         (dict(align_dims=(64, 64)), r"it has projectors \['0'\], the run one per encoder \(2\): projectors.1.0.bias"),
@@ -138,8 +137,7 @@ def test_each_reader_sends_the_other_format_on(committed, tmp_path):
     torch.save({k: v for k, v in committed["ema"].items() if not k.startswith("projectors.")}, tmp_path / "dit.pt")
     with pytest.raises(ValueError, match=r"dit.pt: no REPA checkpoint .*'dit_pt'"):
         read_repa_pt(tmp_path / "dit.pt", TINY_SIT)
-    state, reference = read_pt(CHECKPOINT, TINY_SIT)
-    assert reference == "REPA" and "projectors.0.0.weight" not in state
+    assert is_repa_pt(CHECKPOINT) and not is_repa_pt(tmp_path / "dit.pt")  # told apart without unpickling
     cosine = dict(committed, args=argparse.Namespace(**{**vars(committed["args"]), "path_type": "cosine"}))
     torch.save(cosine, tmp_path / "cosine.pt")
     with pytest.raises(ValueError, match=r"cosine.pt: trained on REPA's 'cosine' path; ours is its 'linear' one"):
@@ -157,7 +155,7 @@ def test_sample_py_samples_as_repas_euler_sampler(tiny_flavor):
     float64, we in float32: relative 1e-5)."""
     io = load_file(REFERENCE_IO)
     cfg, weights = resolve_checkpoint(CHECKPOINT, "", FLAVOR, [])
-    assert (cfg.diffusion.objective, cfg.alignment.enable) == ("rectified_flow", False)
+    assert (cfg.diffusion.objective, cfg.diffusion.time_input, cfg.alignment.enable) == ("rectified_flow", "t", False)
     model, args = load_model(cfg, weights, torch.device("cpu"))
     assert model.projectors is None
     for sampler in ("euler", "heun"):
@@ -177,7 +175,7 @@ def test_convert_dit_writes_the_repa_pt_without_projectors(tmp_path, tiny_flavor
     assert sorted(weights) == sorted(expected) and all(torch.equal(weights[k], expected[k]) for k in expected)
     with safe_open(str(dst), "pt") as f:
         recorded = DiTArgs.from_dict(json.loads(f.metadata()["model_args"]))
-    assert recorded == TINY_SIT and recorded.timestep_scale == 1e-3
+    assert recorded == TINY_SIT
 
 
 @pytest.mark.skipif(not os.environ.get("REPA_REFERENCE"), reason="REPA_REFERENCE names no sihyun-yu/REPA checkout")
@@ -222,7 +220,8 @@ def test_trainer_starts_from_the_repa_pt_with_its_projectors(tmp_path, tiny_flav
     from torchtitan.trainer import Trainer
 
     flags = [*TINY, "--job.dump_folder", str(tmp_path / "run"), "--model.flavor", FLAVOR, "--diffusion.objective",
-             "rectified_flow", "--diffusion.prediction", "velocity", "--training.dataset", "dummy",
+             "rectified_flow", "--diffusion.prediction", "velocity", "--diffusion.time_input", "t",
+             "--training.dataset", "dummy",
              "--training.local_batch_size", "2", "--training.ema_decay", "0.9", "--alignment.enable", "true",
              "--alignment.encoder_path", str(DATA / "tiny_dinov2_reg.pth"), "--alignment.depth", "2",
              "--alignment.projector_dim", "24", "--checkpoint.initial_load_path", str(CHECKPOINT),
@@ -237,3 +236,12 @@ def test_trainer_starts_from_the_repa_pt_with_its_projectors(tmp_path, tiny_flav
             assert torch.equal(params[name], tensor) and torch.equal(shadow[name], tensor), name
     finally:
         trainer.close()
+
+
+def test_repa_pt_needs_its_sits_flow():
+    from torchtitan.config_manager import parse_args
+    from torchtitan.config_validation import ConfigError
+
+    with pytest.raises(ConfigError, match=r"initial_load_format = 'repa_pt' .*REPA's SiT predicts velocity in our "
+                                          r"time, read in \[0, 1\]; set .*diffusion.time_input = 't'"):  # fmt: skip
+        parse_args(["--checkpoint.initial_load_path", str(CHECKPOINT), "--checkpoint.initial_load_format", "repa_pt"])

@@ -26,7 +26,7 @@ CLASSES = 3  # of the image folder the latents are prepared from
 
 @pytest.fixture(scope="module")
 def local_data(tmp_path_factory) -> dict[str, Path]:
-    """Stand-ins for what the configs point at: CIFAR-10 batches, and latents of 16 and of 4 channels, prepared
+    """Stand-ins for what the configs point at: CIFAR-10 batches, and latents of 16, 4 and 32 channels, prepared
     by tokenizers in folders named as the configs name theirs (the latents record it)."""
     root = tmp_path_factory.mktemp("data")
     images = make_image_folder(root / "images", classes=CLASSES)
@@ -36,6 +36,10 @@ def local_data(tmp_path_factory) -> dict[str, Path]:
         # The 4-channel latents keep their images, which an [alignment] config's encoder sees (--store-images).
         assert prepare_folder(images, root / folder, root / f"latents{channels}", store_images=channels == 4)
         data[f"latents{channels}"], data[f"tokenizer{channels}"] = root / f"latents{channels}", root / folder
+    # 32 channels (VA-VAE's) from a tiny diffusers AutoencoderKL, the kind scripts/convert_vavae.py writes.
+    make_diffusers_vae(root / "vavae_diffusers", channels=32)
+    assert prepare_folder(images, root / "vavae_diffusers", root / "latents32", kind="diffusers")
+    data["latents32"], data["tokenizer32"] = root / "latents32", root / "vavae_diffusers"
     data["encoder"] = write_tiny_dinov2(root / "dinov2_vitb14_pretrain.pth", grid=37)  # [alignment]'s, 64 wide
     return data
 
@@ -47,6 +51,17 @@ def encoder_args(config: Path, data: dict[str, Path]) -> list[str]:
     return ["--alignment.encoder_path", str(data["encoder"])] if aligns else []
 
 
+def make_diffusers_vae(folder: Path, channels: int) -> None:
+    """A tiny random diffusers AutoencoderKL of downsample 4 (16 px images -> 4 x 4 latents)."""
+    import torch
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(0)
+    AutoencoderKL(block_out_channels=(8, 8, 8), down_block_types=("DownEncoderBlock2D",) * 3,
+                  up_block_types=("UpDecoderBlock2D",) * 3, layers_per_block=1, latent_channels=channels,
+                  norm_num_groups=4, sample_size=16).save_pretrained(str(folder))  # fmt: skip
+
+
 def tiny_args(config: Path, data: dict[str, Path], dump_folder: Path) -> list[str]:
     cfg = parse_args(["--job.config_file", str(config), *encoder_args(config, data)])
     args = build_model_args(get_train_spec(cfg.model.name), cfg)
@@ -56,7 +71,7 @@ def tiny_args(config: Path, data: dict[str, Path], dump_folder: Path) -> list[st
                 "--metrics.log_freq", "1", "--checkpoint.enable", "true", "--checkpoint.interval", "2",
                 "--validation.enable", "true", "--validation.steps", "1"]  # fmt: skip
     keep = {name: getattr(args, name) for name in ("norm", "mlp", "qk_norm", "pos_embed", "learn_sigma", "patch_size",
-                                                   "in_channels", "timestep_scale")}  # fmt: skip
+                                                   "in_channels")}  # fmt: skip
     out = ["--job.config_file", str(config), "--job.dump_folder", str(dump_folder), "--model.flavor", "debug"]
     if cfg.alignment.enable:  # a block of the debug flavor's 4, a narrow projector
         out += [*encoder_args(config, data), "--alignment.depth", "2", "--alignment.projector_dim", "32"]

@@ -7,6 +7,7 @@ file, "the command line" or "the defaults").
 
 import dataclasses
 import math
+import os
 
 
 class ConfigError(ValueError):
@@ -38,6 +39,7 @@ _CHOICES = {
     "diffusion.timestep_sampling": ("uniform", "logit_normal"),
     "diffusion.noise_schedule": ("linear", "cosine"),
     "alignment.encoder": ("dinov2",),
+    "diffusion.time_input": ("1000t", "t", "1-t"),
     "optimizer.name": ("AdamW", "SGD"),
     "optimizer.implementation": ("fused", "foreach", "for-loop"),
     "lr_scheduler.decay_type": ("linear", "cosine", "sqrt"),
@@ -45,7 +47,7 @@ _CHOICES = {
     "training.mixed_precision_reduce": ("float32", "bfloat16"),
     "parallelism.fsdp_reshard_after_forward": ("default", "always", "never"),
     "checkpoint.async_mode": ("disabled", "async"),
-    "checkpoint.initial_load_format": ("dcp", "hf", "dit_pt", "repa_pt", "diffusers"),
+    "checkpoint.initial_load_format": ("dcp", "hf", "dit_pt", "repa_pt", "diffusers", "lightningdit_pt"),
     "checkpoint.export_dtype": ("float32", "bfloat16"),
     "activation_checkpoint.mode": ("none", "full", "selective"),
     "compile.mode": ("default", "max-autotune-no-cudagraphs"),
@@ -85,7 +87,6 @@ _BOUNDS = {
     "model.patch_size": ">= 0",
     "model.num_classes": ">= -1",
     "model.attn_window": ">= -1",
-    "model.timestep_scale": ">= 0",
     "diffusion.num_timesteps": "> 0",
     "diffusion.logit_normal_std": "> 0",
     "diffusion.x_prediction_t_min": "in (0, 1)",
@@ -94,6 +95,7 @@ _BOUNDS = {
     "alignment.projector_dim": "> 0",
     "alignment.coefficient": ">= 0",
     "alignment.stop_step": ">= 0",
+    "diffusion.cosine_loss_weight": ">= 0",
     "optimizer.lr": "> 0",
     "optimizer.beta1": "in [0, 1)",
     "optimizer.beta2": "in [0, 1)",
@@ -304,6 +306,7 @@ def _check_combinations(cfg, errors: list[str]) -> None:
         hint = "; x-prediction (JiT) is rectified_flow's" if cfg.diffusion.prediction == "x" else ""
         errors.append(f"{at(cfg, 'diffusion.prediction')}: diffusion.objective {cfg.diffusion.objective!r} "
                       f"(in {cfg.source_of('diffusion.objective')}) predicts {predictions[0]!r}{hint}")  # fmt: skip
+    _check_flow_keys(cfg, errors)
     samplers = {"ddpm": ("default", "ddim", "ddpm"), "rectified_flow": ("default", "euler", "heun")}.get(
         cfg.diffusion.objective
     )
@@ -326,6 +329,10 @@ def _check_combinations(cfg, errors: list[str]) -> None:
         if getattr(cfg.optimizer, name) != getattr(type(cfg.optimizer)(), name):
             errors.append(f"{at(cfg, key)}: optimizer.name {cfg.optimizer.name!r} (in "
                           f"{cfg.source_of('optimizer.name')}) has no such setting")  # fmt: skip
+    if cfg.latent.stats_file and cfg.latent.scale_factor > 0:
+        errors.append(f"{keys_in(cfg, 'latent.stats_file', 'latent.scale_factor')}: two normalizations; set one")
+    if cfg.latent.stats_file and not os.path.isfile(cfg.latent.stats_file):
+        errors.append(f"{at(cfg, 'latent.stats_file')}: no such file (LightningDiT's latents_stats.pt)")
     if cfg.checkpoint.create_seed_checkpoint and not cfg.checkpoint.enable:
         errors.append(f"{keys_in(cfg, 'checkpoint.create_seed_checkpoint', 'checkpoint.enable')}: "
                       "a seed checkpoint needs checkpoint.enable = true")  # fmt: skip
@@ -338,6 +345,25 @@ def _check_alignment(cfg, errors: list[str]) -> None:
         return
     if cfg.model.name != "dit":
         errors.append(f"{keys_in(cfg, 'alignment.enable', 'model.name')}: representation alignment trains DiTs")
+
+
+def _check_flow_keys(cfg, errors: list[str]) -> None:
+    """The [diffusion] keys of rectified flow alone, and LightningDiT weights' flow (their transport's time)."""
+    d = cfg.diffusion
+    if d.objective == "ddpm":
+        for key, default in (("diffusion.time_input", "1000t"), ("diffusion.cosine_loss_weight", 0.0)):
+            if _value(cfg, key) != default:
+                errors.append(f"{at(cfg, key)}: rectified_flow's; diffusion.objective 'ddpm' (in "
+                              f"{cfg.source_of('diffusion.objective')}) reads integer timesteps")  # fmt: skip
+    flows = {"lightningdit_pt": ("1-t", "LightningDiT's weights predict velocity in its transport's time (1 is data)"),
+             "repa_pt": ("t", "REPA's SiT predicts velocity in our time, read in [0, 1]")}  # fmt: skip
+    if cfg.checkpoint.initial_load_format in flows:
+        time_input, why = flows[cfg.checkpoint.initial_load_format]
+        wanted = {"diffusion.objective": "rectified_flow", "diffusion.prediction": "velocity",
+                  "diffusion.time_input": time_input}  # fmt: skip
+        wrong = [f"{key} = {value!r}" for key, value in wanted.items() if _value(cfg, key) != value]
+        if wrong:
+            errors.append(f"{at(cfg, 'checkpoint.initial_load_format')}: {why}; set {', '.join(wrong)}")
 
 
 def _check_converters(cfg, errors: list[str]) -> None:

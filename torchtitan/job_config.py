@@ -112,9 +112,6 @@ class Model:
     attn_window: int = -1
     """Override: windowed attention over the (2w+1) x (2w+1) token neighbourhood (FlexAttention);
     0 is global attention; -1 keeps the flavor's."""
-    timestep_scale: float = 0.0
-    """Override: the DiT embeds t x this; 0 keeps the flavor's (1; the SiT-* flavors' 0.001 embeds rectified flow's
-    t in [0, 1] as REPA's SiT does, which its weights need)."""
     sdpa_backends: list[str] = field(default_factory=lambda: ["cudnn", "flash", "efficient", "math"])
     """Attention kernels in priority order ('cudnn', 'flash', 'efficient', 'math'); the first that
     supports the shapes runs. cuDNN first: fastest measured on H100 at DiT head sizes (docs/benchmark_log.md)."""
@@ -138,7 +135,15 @@ class Diffusion:
     logit_normal_mean: float = 0.0
     """Mean of the logit-normal timestep density."""
     logit_normal_std: float = 1.0
-    """Std of the logit-normal timestep density."""
+    """Std of the logit-normal timestep density. Mean 0, std 1 is LightningDiT's `use_lognorm` (its time runs the
+    other way, which this symmetric density does not see)."""
+    time_input: str = "1000t"
+    """What a rectified_flow model reads as its timestep, t being ours (0 data, 1 noise): '1000t' (the DDPM range),
+    't' (REPA's SiT) or '1-t' (SiT's and LightningDiT's transport: 1 is data; their model predicts data - noise, so
+    its velocity is negated). Weights of those references need their own; the path, loss and samplers stay ours."""
+    cosine_loss_weight: float = 0.0
+    """rectified_flow: weight of LightningDiT's velocity direction term added to each sample's loss, the mean over
+    positions of 1 - cos(v_hat, v) over the channels (LightningDiT: 1; 0: off)."""
     class_dropout_prob: float = 0.1
     """Probability a label is replaced by the null class (classifier-free guidance)."""
 
@@ -325,11 +330,15 @@ class Checkpoint:
     whose EMA is taken), converted by torchtitan/models/dit/state_dict_adapter.py; needs model.pos_embed =
     'sincos' and a flavor of the file's shapes. 'repa_pt': a REPA (sihyun-yu/REPA) `.pt` (its train.py's checkpoint,
     whose EMA is taken, or a plain state dict: SiT with alignment projectors), converted by
-    torchtitan/models/dit/repa_adapter.py; needs a SiT-* flavor, and takes the projectors when [alignment] is enabled
-    with their shapes. 'diffusers': a diffusers DiTTransformer2DModel folder (or a DiTPipeline folder holding one),
-    converted by torchtitan/models/dit/diffusers_adapter.py; its config must equal the model's. From 'hf', 'dit_pt',
-    'repa_pt' and 'diffusers' the model only: the EMA starts at the loaded weights. The file or folder is read
-    whenever the run starts with no checkpoint of its own."""
+    torchtitan/models/dit/repa_adapter.py; needs a SiT-* flavor of its shapes and its SiT's time (diffusion.time_input
+    = 't'), and takes the projectors when [alignment] is enabled with their shapes. 'diffusers': a diffusers
+    DiTTransformer2DModel folder (or a DiTPipeline folder holding one), converted by
+    torchtitan/models/dit/diffusers_adapter.py; its config must equal the model's. 'lightningdit_pt': a
+    hustvl/LightningDiT `.pt` (train.py's checkpoint, whose EMA is taken, or a state dict), converted by
+    torchtitan/models/dit/lightningdit_adapter.py; needs a LightningDiT-* flavor of its shapes and its transport's time
+    (diffusion.time_input = '1-t'). From 'hf', 'dit_pt', 'repa_pt', 'diffusers' and 'lightningdit_pt' the model only:
+    the EMA starts at the loaded weights. The file or folder is read whenever the run starts with no checkpoint of
+    its own."""
     last_save_model_only: bool = False
     """The final checkpoint holds model and EMA only."""
     export_dtype: str = "float32"
@@ -421,6 +430,10 @@ class Latent:
     """Local folder of the tokenizer."""
     scale_factor: float = 0.0
     """Latent scale (e.g. SD 0.18215); 0 uses the statistics stored with the prepared data."""
+    stats_file: str = ""
+    """A LightningDiT `latents_stats.pt` ({'mean', 'std'} per channel): the per-channel normalization (z - mean) / std
+    applied in training and undone before decoding, in place of the statistics stored with the prepared data ('':
+    those)."""
     allow_tokenizer_mismatch: bool = False
     """Go on (with a warning) when this tokenizer is not the one the prepared latents' meta.json records."""
 

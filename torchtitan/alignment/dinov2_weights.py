@@ -64,7 +64,7 @@ _HF_LAYER = re.compile(r"^encoder\.layer\.(\d+)\.(.+)\.(weight|bias|lambda1)$")
 def _read_pth(path: Path) -> dict[str, torch.Tensor]:
     with open(path, "rb") as f:
         try:
-            state = safe_pickle.torch_load(f, safe_pickle.TORCH_STATE_DICT_GLOBALS, str(path), "a DINOv2 state dict")
+            state = safe_pickle.torch_load(f, safe_pickle.TORCH_TENSOR_GLOBALS, str(path), "a DINOv2 state dict")
         except safe_pickle.UnsafePickleError:
             raise
         except Exception as e:  # a truncated file or no torch.save file at all: torch's message names no file

@@ -78,6 +78,10 @@ def _foreign_format(path: Path) -> str:
     if (path / "config.json").is_file():
         return "a Hugging Face model folder (config.json): set checkpoint.initial_load_format = 'hf'"
     if path.suffix in (".pt", ".pth") and path.is_file():
+        from torchtitan.models.dit.lightningdit_adapter import is_lightningdit_pt
+
+        if is_lightningdit_pt(path):
+            return "a LightningDiT .pt file: set checkpoint.initial_load_format = 'lightningdit_pt'"
         return "a facebookresearch/DiT .pt file: set checkpoint.initial_load_format = 'dit_pt'"
     return ""
 

@@ -103,7 +103,7 @@ class SampleWriter:
 
             training = self.config.training
             metadata = model_space_metadata(training.dataset_path if training.dataset == "latents" else "",
-                                            self.config.latent.scale_factor)  # fmt: skip
+                                            self.config.latent.scale_factor, self.config.latent.stats_file)  # fmt: skip
             self.folder.mkdir(parents=True, exist_ok=True)
             tensors = {"latents": samples.float().cpu().contiguous()}
             if labels is not None:

@@ -13,8 +13,9 @@ def build_dataset(training_config, model_args, latent_config=None, images: bool 
     Args:
         training_config: the `[training]` section (dataset, dataset_path, image_size).
         model_args: the model's args (in_channels, input_size, num_classes).
-        latent_config: the `[latent]` section; for dataset 'latents' its scale_factor replaces the stored
-            normalization when > 0, and its tokenizer, when set, must be the one the latents were encoded with.
+        latent_config: the `[latent]` section; for dataset 'latents' its scale_factor (when > 0) or stats_file
+            replaces the stored normalization, and its tokenizer, when set, must be the one the latents were
+            encoded with.
         images: a latent dataset's inputs carry the images too (prefetch.LatentsAndImages), for representation
             alignment's encoder: the prepared ones ('latents'), or random ones 8x the latents' size ('dummy').
 
@@ -51,7 +52,7 @@ def build_dataset(training_config, model_args, latent_config=None, images: bool 
 
         latent_config = latent_config or Latent()
         dataset = LatentShardDataset(training_config.dataset_path, scale_factor=latent_config.scale_factor,
-                                     images=images)  # fmt: skip
+                                     stats_file=latent_config.stats_file, images=images)  # fmt: skip
         if latent_config.tokenizer:  # without one the latents train as they are (no decoding)
             check_tokenizer_matches(dataset.meta, latent_config, source=dataset.root)
     else:

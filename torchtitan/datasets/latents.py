@@ -146,10 +146,15 @@ def read_meta(path: str | Path) -> dict:
     return meta
 
 
-def normalization_for(meta: dict, scale_factor: float = 0.0) -> LatentNormalization:
-    """The folder's stored normalization, or a fixed scale when scale_factor > 0 (latent.scale_factor)."""
+def normalization_for(meta: dict, scale_factor: float = 0.0, stats_file: str = "") -> LatentNormalization:
+    """The folder's stored normalization, a fixed scale when scale_factor > 0 (latent.scale_factor), or the
+    per-channel statistics of a LightningDiT latents_stats.pt (latent.stats_file)."""
     if scale_factor > 0:
         return LatentNormalization("scale", scale_factor=scale_factor)
+    if stats_file:
+        from torchtitan.datasets.latent_stats import read_latent_stats
+
+        return read_latent_stats(stats_file)
     return LatentNormalization.from_dict(meta["normalization"])
 
 
@@ -223,13 +228,15 @@ def read_file_metadata(path: str | Path) -> dict[str, str]:
         return f.metadata() or {}
 
 
-def model_space_metadata(dataset_path: str, scale_factor: float) -> dict[str, str]:
+def model_space_metadata(dataset_path: str, scale_factor: float, stats_file: str = "") -> dict[str, str]:
     """What a file of a latent model's samples records: the normalization of the prepared latents it trained on
-    (`dataset_path`, or `scale_factor` > 0 as latent.scale_factor) and their tokenizer; {} when neither is known."""
+    (`dataset_path`, or `scale_factor` > 0 as latent.scale_factor, or latent.stats_file) and their tokenizer; {}
+    when neither is known."""
     meta = read_meta(dataset_path) if dataset_path else None
-    if meta is None and scale_factor <= 0:
+    if meta is None and scale_factor <= 0 and not stats_file:
         return {}
-    return latent_file_metadata(normalization_for(meta or {}, scale_factor), meta["tokenizer"] if meta else None)
+    normalization = normalization_for(meta or {}, scale_factor, stats_file)
+    return latent_file_metadata(normalization, meta["tokenizer"] if meta else None)
 
 
 def _part_files(kind: str, checkpoint_dir: str | Path, part: str) -> list[Path]:
@@ -422,14 +429,17 @@ class LatentShardDataset(Dataset):
         path: folder written by prepare.py (meta.json + shards).
         scale_factor: > 0 replaces the stored normalization with `z * scale_factor` (latent.scale_factor).
         random_flip: pick the original or the flipped latent at random (when both were encoded).
+        stats_file: a LightningDiT latents_stats.pt whose per-channel statistics replace the stored ones
+            (latent.stats_file).
         images: the input is LatentsAndImages(latent, the uint8 image it encodes, flipped with it): what a
             representation alignment encoder sees; needs a folder prepared with --store-images.
     """
 
-    def __init__(self, path: str | Path, scale_factor: float = 0.0, random_flip: bool = True, images: bool = False):
+    def __init__(self, path: str | Path, scale_factor: float = 0.0, random_flip: bool = True, stats_file: str = "",
+                 images: bool = False):  # fmt: skip
         self.root = Path(path)
         self.meta = read_meta(self.root)
-        self.normalization = normalization_for(self.meta, scale_factor)
+        self.normalization = normalization_for(self.meta, scale_factor, stats_file)
         self.random_flip = random_flip
         self.images = images
         if images and not self.meta.get("images"):

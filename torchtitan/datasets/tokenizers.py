@@ -337,7 +337,7 @@ def _checked_decoder(job_config, device: torch.device) -> tuple[LatentTokenizer,
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     latent, dataset_path = job_config.latent, job_config.training.dataset_path
     tokenizer = _cached_decoder(latent.tokenizer, latent.checkpoint_dir, str(device), dtype)
-    meta = _prepared_meta(dataset_path, required=latent.scale_factor <= 0)
+    meta = _prepared_meta(dataset_path, required=latent.scale_factor <= 0 and not latent.stats_file)
     if meta is not None:
         check_tokenizer_matches(meta, latent, tokenizer, source=dataset_path)
     return tokenizer, meta
@@ -348,13 +348,15 @@ def decode_for_training(job_config, latents: torch.Tensor, batch_size: int = 16)
 
     The decoder named by `[latent]` is loaded once per process and cached (`load_training_decoder`, which
     refuses a tokenizer other than the prepared latents'). Latents are un-normalized with the statistics
-    stored in `training.dataset_path`'s meta.json, or divided by `latent.scale_factor` when it is > 0.
+    stored in `training.dataset_path`'s meta.json, or divided by `latent.scale_factor` when it is > 0, or with the
+    statistics of `latent.stats_file` (a LightningDiT latents_stats.pt) when it is set.
     """
     from torchtitan.datasets.latents import normalization_for
 
     device = latents.device
     tokenizer, meta = _checked_decoder(job_config, device)
-    raw = normalization_for(meta or {}, job_config.latent.scale_factor).denormalize(latents.float())
+    latent = job_config.latent
+    raw = normalization_for(meta or {}, latent.scale_factor, latent.stats_file).denormalize(latents.float())
     return torch.cat([tokenizer.decode(chunk) for chunk in raw.split(batch_size)]).to(device)
 
 

@@ -30,6 +30,8 @@ def build_diffusion(diffusion_config, learn_sigma: bool) -> GaussianDiffusion | 
         diffusion_config.logit_normal_std,
         diffusion_config.prediction,
         diffusion_config.x_prediction_t_min,
+        diffusion_config.time_input,
+        diffusion_config.cosine_loss_weight,
     )
 
 

@@ -154,7 +154,7 @@ def block_saved_tensors(args: DiTArgs, kernels: frozenset[str] = frozenset()) ->
             SavedTensor("q, k RMSNorm statistics (B, T, nh) x 2, fp32", 2 * nh * T, "fp32"),
             SavedTensor("q, k normalized before the RMSNorm weight (B, T, nh, hd) x 2", 2 * T * D, compiled=False),
         ]
-    if args.qk_norm or args.pos_embed == "rope2d":
+    if args.qk_norm or args.uses_rope:
         rows.append(SavedTensor("attention's q, k after QK-norm / RoPE (B, T, nh, hd) x 2", 2 * T * D))
     # Laid out like q, token-major, so proj reads (B, T, D) as a view of it.
     rows.append(SavedTensor("attention output (B, T, nh, hd)", T * D, selective=True))

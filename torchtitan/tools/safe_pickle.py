@@ -25,9 +25,10 @@ NUMPY_ARRAY_GLOBALS = frozenset(
     }
 )
 
-
-# A `torch.save`d state dict: tensors (their rebuild functions, storage types and dtypes) in an OrderedDict.
-TORCH_STATE_DICT_GLOBALS = frozenset(
+# What `torch.save` writes for tensors and state dicts: the tensor rebuild functions, storage types and dtypes, and
+# OrderedDict. The readers of weight and statistics files (LightningDiT's checkpoints and latents_stats.pt, LDM
+# autoencoders) admit these and their own few more.
+TORCH_TENSOR_GLOBALS = frozenset(
     {
         ("torch._utils", "_rebuild_tensor_v2"),
         ("torch._utils", "_rebuild_parameter"),

@@ -3,6 +3,7 @@
 from dataclasses import replace
 
 from torchtitan.models.dit.diffusers_adapter import read_diffusers_weights
+from torchtitan.models.dit.lightningdit_adapter import read_lightningdit_pt
 from torchtitan.models.dit.model import DiT, DiTArgs, flops_per_image
 from torchtitan.models.dit.parallelize import parallelize_dit
 from torchtitan.models.dit.repa_adapter import read_repa_pt
@@ -28,22 +29,29 @@ for _size, (_dim, _depth, _heads) in _paper_sizes.items():
 _llama_style = dict(
     input_size=64, in_channels=16, patch_size=2, norm="rmsnorm", mlp="swiglu", qk_norm=True, learn_sigma=False
 )
-# SiT as REPA (sihyun-yu/REPA, models/sit.py) trains it: DiT's sizes predicting the velocity (no learned sigma), fixed
-# sin-cos positions, and time embedded in [0, 1] (t = 0 the data), so REPA's weights load and train on unchanged.
+# SiT as REPA (sihyun-yu/REPA, models/sit.py) trains it: DiT's sizes predicting the velocity (no learned sigma) and
+# fixed sin-cos positions; its time in [0, 1] (t = 0 the data) is diffusion.time_input = "t".
 for _size, (_dim, _depth, _heads) in _paper_sizes.items():
     for _patch in (2, 4, 8):
-        dit_configs[f"SiT-{_size}/{_patch}"] = DiTArgs(
-            dim=_dim,
-            depth=_depth,
-            num_heads=_heads,
-            patch_size=_patch,
-            learn_sigma=False,
-            pos_embed="sincos",
-            timestep_scale=1e-3,
-        )
+        dit_configs[f"SiT-{_size}/{_patch}"] = DiTArgs(dim=_dim, depth=_depth, num_heads=_heads, patch_size=_patch,
+                                                      learn_sigma=False, pos_embed="sincos")  # fmt: skip
 
 dit_configs["0.5B"] = DiTArgs(dim=1280, depth=16, num_heads=20, **_llama_style)
 dit_configs["7B"] = DiTArgs(dim=4096, depth=24, num_heads=32, **_llama_style)
+
+# LightningDiT (hustvl/LightningDiT, its models/lightningdit.py sizes) as its recipe trains them: VA-VAE latents
+# 16x16x32, RMSNorm, SwiGLU of hidden size int(2/3 * 4 * dim) (multiple_of 1: unrounded), the fixed sin-cos table
+# plus 2D RoPE, no QK-norm, no learned sigma. Their RMSNorm weights are folded into adaLN when their weights are read
+# (lightningdit_adapter.py); ours carry none.
+_lightningdit_sizes = {"B": (768, 12, 12), "L": (1024, 24, 16), "XL": (1152, 28, 16), "1p0B": (1536, 24, 24),
+                       "1p6B": (1792, 28, 28)}  # fmt: skip
+_lightningdit_style = dict(input_size=16, in_channels=32, pos_embed="sincos_rope2d", norm="rmsnorm", mlp="swiglu",
+                           qk_norm=False, learn_sigma=False, multiple_of=1)  # fmt: skip
+for _size, _patch in (("B", 1), ("B", 2), ("L", 2), ("XL", 1), ("XL", 2), ("1p0B", 1), ("1p0B", 2), ("1p6B", 1),
+                      ("1p6B", 2)):  # fmt: skip
+    _dim, _depth, _heads = _lightningdit_sizes[_size]
+    dit_configs[f"LightningDiT-{_size}/{_patch}"] = DiTArgs(dim=_dim, depth=_depth, num_heads=_heads, patch_size=_patch,
+                                                            **_lightningdit_style)  # fmt: skip
 
 
 def get_flavor(flavor: str) -> DiTArgs:
@@ -61,8 +69,6 @@ def build_dit_args(args: DiTArgs, job_config) -> DiTArgs:
         args.num_classes = model_config.num_classes
     if model_config.attn_window >= 0:
         args.attn_window = model_config.attn_window
-    if model_config.timestep_scale > 0:
-        args.timestep_scale = model_config.timestep_scale
     for name in ("pos_embed", "norm", "mlp", "qk_norm", "learn_sigma"):
         if getattr(model_config, name) is not None:  # False overrides a flavor's True
             setattr(args, name, getattr(model_config, name))
@@ -143,13 +149,19 @@ register_train_spec(
         flops_per_sample_fn=dit_flops_per_sample,
         datasets=("digits", "dummy", "imagefolder", "cifar10", "latents"),
         measure_overrides=("--training.dataset", "dummy", "--sampling.freq", "0"),  # no data to read, no grids
-        # facebookresearch/DiT .pt files; REPA's SiT (+ projectors) .pt files; diffusers DiTTransformer2DModel folders
-        weight_readers={"dit_pt": read_dit_pt, "repa_pt": read_repa_pt, "diffusers": read_diffusers_weights},
+        # facebookresearch/DiT .pt files; REPA's SiT (+ projectors) .pt files; diffusers DiTTransformer2DModel folders;
+        # hustvl/LightningDiT .pt files
+        weight_readers={
+            "dit_pt": read_dit_pt,
+            "repa_pt": read_repa_pt,
+            "diffusers": read_diffusers_weights,
+            "lightningdit_pt": read_lightningdit_pt,
+        },
         arg_keys={
             "align_depth": "alignment.depth",
             "align_dims": "alignment.encoder_path",
             "align_projector_dim": "alignment.projector_dim",
-        },  # fmt: skip
+        },
         sampling_export_fn=sampling_export,
     )
 )

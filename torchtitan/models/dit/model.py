@@ -29,7 +29,8 @@ def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_
 
 
 # Position encodings, norms and MLPs a DiT can use (DiTArgs.pos_embed, .norm, .mlp).
-POS_EMBEDS = ("rope2d", "sincos", "learned")
+# "sincos_rope2d": the fixed sin-cos table added to the tokens and 2D RoPE in attention, both (LightningDiT).
+POS_EMBEDS = ("rope2d", "sincos", "learned", "sincos_rope2d")
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu")
 # Keys that DiTArgs once had and exported "model_args" metadata may still carry: the fused kernels' switches, now
@@ -50,7 +51,7 @@ class DiTArgs:
     mlp_ratio: float = 4.0
     num_classes: int = 1000  # 0: unconditional
     learn_sigma: bool = True  # output 2 * in_channels: epsilon and the variance interpolation
-    pos_embed: str = "rope2d"  # "rope2d" | "sincos" | "learned"
+    pos_embed: str = "rope2d"  # "rope2d" | "sincos" | "learned" | "sincos_rope2d"
     norm: str = "layernorm"  # "layernorm" | "rmsnorm"
     mlp: str = "gelu"  # "gelu" | "swiglu"
     qk_norm: bool = False
@@ -58,9 +59,6 @@ class DiTArgs:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     multiple_of: int = 256  # SwiGLU hidden size rounding, as in Llama
-    # The model embeds t * timestep_scale. The objectives pass DDPM's step or 1000 t (rectified flow); SiT as REPA
-    # trains it embeds t in [0, 1] (0.001 here), which no rescaling of the weights can stand in for.
-    timestep_scale: float = 1.0
     # Representation alignment (REPA, Yu et al. 2025): the tokens after block `align_depth` (1-based; 0: none) go
     # through one 3-layer SiLU MLP (width align_projector_dim) per frozen encoder, to its feature width align_dims[i].
     # Training only: exports that sample drop them (`for_sampling`).
@@ -98,6 +96,10 @@ class DiTArgs:
         return self.dim // self.num_heads
 
     @property
+    def uses_rope(self) -> bool:
+        return self.pos_embed in ("rope2d", "sincos_rope2d")
+
+    @property
     def mlp_hidden_dim(self) -> int:
         hidden = int(self.dim * self.mlp_ratio)
         if self.mlp == "swiglu":
@@ -116,8 +118,8 @@ class DiTArgs:
                              f"(align_dims {self.align_dims})")  # fmt: skip
         if self.attn_window < 0:
             raise ValueError(f"attn_window must be >= 0, got {self.attn_window}")
-        if self.pos_embed == "rope2d" and self.head_dim % 4 != 0:
-            raise ValueError(f"rope2d needs head_dim divisible by 4, got {self.head_dim}")
+        if self.uses_rope and self.head_dim % 4 != 0:
+            raise ValueError(f"{self.pos_embed} needs head_dim divisible by 4, got {self.head_dim}")
         for name, value, allowed in (
             ("pos_embed", self.pos_embed, POS_EMBEDS),
             ("norm", self.norm, NORMS),
@@ -202,13 +204,12 @@ class LearnedPosEmbed(nn.Module):
 
 
 class TimestepEmbedder(nn.Module):
-    def __init__(self, dim: int, freq_dim: int = 256, scale: float = 1.0):
+    def __init__(self, dim: int, freq_dim: int = 256):
         super().__init__()
-        self.freq_dim, self.scale = freq_dim, scale
+        self.freq_dim = freq_dim
         self.mlp = nn.Sequential(nn.Linear(freq_dim, dim), nn.SiLU(), nn.Linear(dim, dim))
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
-        t = t.float() * self.scale if self.scale != 1.0 else t
         freqs = timestep_frequencies(t, self.freq_dim).to(self.mlp[0].weight.dtype)
         return self.mlp(freqs)
 
@@ -325,7 +326,7 @@ class DiT(nn.Module):
         args.validate()
         self.args = args
         self.x_embedder = PatchEmbed(args.in_channels, args.dim, args.patch_size)
-        self.t_embedder = TimestepEmbedder(args.dim, scale=args.timestep_scale)
+        self.t_embedder = TimestepEmbedder(args.dim)
         self.y_embedder = LabelEmbedder(args.num_classes, args.dim) if args.num_classes > 0 else None
         grid = args.input_size // args.patch_size
         self.pos_embed = LearnedPosEmbed(args.num_tokens, args.dim) if args.pos_embed == "learned" else None
@@ -397,11 +398,11 @@ class DiT(nn.Module):
         (representation alignment's training; through forward so that FSDP's hooks see the projectors).
         """
         h = self.x_embedder(x)  # (B, T, D)
-        if self.args.pos_embed == "sincos":
+        if self.args.pos_embed in ("sincos", "sincos_rope2d"):
             h = h + self.sincos.to(h.dtype)
         elif self.pos_embed is not None:
             h = self.pos_embed(h)
-        rope = self.rope if self.args.pos_embed == "rope2d" else None
+        rope = self.rope if self.args.uses_rope else None
         c = self.t_embedder(t)  # (B, D)
         if self.y_embedder is not None:
             c = c + self.y_embedder(y)

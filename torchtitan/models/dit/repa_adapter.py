@@ -6,9 +6,10 @@ are unpickled through the facebookresearch/DiT reader's allow-list (state_dict_a
 containers and train.py's `argparse.Namespace`; a file naming other code is refused before anything runs.
 
 REPA's SiT (models/sit.py) is facebookresearch/DiT's architecture under the same names (state_dict_adapter.py maps
-and checks those), without a learned sigma, with its fixed sin-cos `pos_embed` in the state dict, and with its time
-embedded in [0, 1], t = 0 the data: the SiT-* flavors (learn_sigma false, pos_embed "sincos", timestep_scale 1e-3),
-whose rectified flow then equals REPA's linear path. Its projectors, `projectors.{i}.{0,2,4}`, are ours by name:
+and checks those), without a learned sigma and with its fixed sin-cos `pos_embed` in the state dict: the SiT-* flavors
+(learn_sigma false, pos_embed "sincos"). Its time is ours, t = 0 the data, embedded as it is in [0, 1]: rectified
+flow with diffusion.time_input = "t" (REPA_CONFIG_FLAGS; config validation asks it of 'repa_pt') is REPA's linear
+path. Its projectors, `projectors.{i}.{0,2,4}`, are ours by name:
 they load when the run aligns (`[alignment]` with the encoder of the same width) and are dropped when the model has
 none (sampling). Early REPA checkpoints that split the blocks into `blocks` and `decoder_blocks` (its generate.py's
 `--legacy`) are renumbered as its `load_legacy_checkpoints` does.
@@ -17,7 +18,9 @@ Given the same weights, inputs, noise and times, our losses and gradients equal 
 on a checkpoint REPA's own code wrote: tests/data/repa_reference/).
 """
 
+import pickletools
 import re
+import zipfile
 from pathlib import Path
 
 import torch
@@ -27,8 +30,27 @@ from torchtitan.models.dit.state_dict_adapter import from_reference, load_pt
 
 # Fields only REPA's train.py args have (its encoder and projection loss).
 _REPA_ARGS = ("enc_type", "proj_coeff", "encoder_depth")
-_TIMESTEP_SCALE = 1e-3  # REPA's SiT embeds t in [0, 1]; our objectives pass 1000 t
-_FLAVOR = "a SiT-* model.flavor (pos_embed 'sincos', learn_sigma false, time embedded in [0, 1] as REPA's SiT)"
+# What a REPA file's config is (sample.py, convert_dit.py): its SiT's flow, time read in [0, 1], fixed positions.
+REPA_CONFIG_FLAGS = ("--model.pos_embed", "sincos", "--diffusion.objective", "rectified_flow", "--diffusion.prediction",
+                     "velocity", "--diffusion.time_input", "t")  # fmt: skip
+# Strings only a REPA file's pickle holds: its train.py args' fields, or its projectors' and legacy blocks' keys.
+_MARKERS = ("enc_type", "proj_coeff", "projectors.0.0.weight")
+
+
+def is_repa_pt(path: str | Path) -> bool:
+    """Whether a `.pt` file is REPA's, told from the strings of its pickle without unpickling it (no code runs, no
+    tensor is read): its train.py args' encoder fields, or a projector's or legacy decoder block's key."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            name = next((n for n in archive.namelist() if n.endswith("data.pkl")), None)
+            data = archive.read(name) if name else b""
+    except (zipfile.BadZipFile, OSError):
+        return False  # torch.save's legacy format, or no file: not a REPA checkpoint (2024, zip format)
+    try:
+        strings = {arg for _, arg, _ in pickletools.genops(data) if isinstance(arg, str)}
+    except Exception:  # noqa: BLE001 (a damaged pickle: the reader that loads it names the file)
+        return False
+    return any(marker in strings for marker in _MARKERS) or any(s.startswith("decoder_blocks.") for s in strings)
 
 
 def _state_of(loaded) -> dict | None:
@@ -85,9 +107,6 @@ def from_repa(state_dict: dict[str, torch.Tensor], args: DiTArgs, source: str = 
         ValueError: the model's time or architecture is not the checkpoint's, or a projector does not fit the run's
             alignment; the source and the key named.
     """
-    if args.timestep_scale != _TIMESTEP_SCALE:
-        raise ValueError(f"{source}: REPA's SiT embeds t in [0, 1]; the model embeds t x {args.timestep_scale:g} "
-                         f"(x 1000 of it): use {_FLAVOR}")  # fmt: skip
     _check_args(train_args, args, source)
     state = _renumber_legacy(state_dict) if any(k.startswith("decoder_blocks.") for k in state_dict) else state_dict
     projectors = {key: value for key, value in state.items() if key.startswith("projectors.")}
@@ -133,15 +152,3 @@ def convert_repa_pt(loaded, path: Path, args: DiTArgs) -> dict[str, torch.Tensor
         raise ValueError(f"{path}: {others[:5]} are no tensors: not a REPA state dict nor its train.py checkpoint")
     train_args = loaded.get("args") if isinstance(loaded.get("ema"), dict) else None
     return from_repa(dict(state), args, str(path), train_args)
-
-
-def read_pt(path: str | Path, args: DiTArgs) -> tuple[dict[str, torch.Tensor], str]:
-    """A `.pt` of either reference, read once: (our state dict, which reference wrote it). What sample.py and
-    scripts/convert_dit.py read `.pt` files with."""
-    from torchtitan.models.dit.state_dict_adapter import convert_dit_pt
-
-    path = Path(path)
-    loaded = load_pt(path, "a DiT or REPA checkpoint")
-    if is_repa_checkpoint(loaded):
-        return convert_repa_pt(loaded, path, args), "REPA"
-    return convert_dit_pt(loaded, path, args), "facebookresearch/DiT"

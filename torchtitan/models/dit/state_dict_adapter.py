@@ -66,7 +66,7 @@ POS_EMBED_TOLERANCE = 1e-6  # the reference builds the table in numpy float64, t
 
 # The globals a DiT `.pt` file may name: tensors (their rebuild function and storage types), the state dict's
 # OrderedDict, and train.py's args. Anything else could run code.
-DIT_PT_PICKLE_GLOBALS = safe_pickle.TORCH_STATE_DICT_GLOBALS | {("argparse", "Namespace")}
+DIT_PT_PICKLE_GLOBALS = safe_pickle.TORCH_TENSOR_GLOBALS | {("argparse", "Namespace")}
 # Fields of SiT's train.py args (willisma/SiT transport options) that DiT's train.py does not have.
 _SIT_ARGS = ("path_type", "prediction", "loss_weight", "sample_eps", "train_eps")
 _OVERRIDES = "model.flavor, or the [model] overrides learn_sigma, num_classes, input_size, in_channels, patch_size"

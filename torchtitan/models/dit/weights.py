@@ -1,6 +1,7 @@
-"""DiT weights into a plain model, from wherever they are: a run folder, a DCP step folder, a `.safetensors` export
-or a facebookresearch/DiT or REPA `.pt` (a recognizable willisma/SiT file is refused: state_dict_adapter.py; REPA's:
-repa_adapter.py). The model is built without the alignment projectors, which only train. Used by `sample.py` and
+"""DiT weights into a plain model, from wherever they are: a run folder, a DCP step folder, a `.safetensors` export,
+a facebookresearch/DiT `.pt` (a recognizable SiT file is refused: state_dict_adapter.py), a REPA `.pt`
+(repa_adapter.py) or a LightningDiT `.pt` (lightningdit_adapter.py); each adapter tells its own files apart. The
+model is built without the alignment projectors, which only train. Used by `sample.py` and
 `scripts/convert_dit.py`.
 
 `resolve_checkpoint` finds the config and the weights: a run folder gives its `config.toml` and the weights of
@@ -49,27 +50,34 @@ def check_is_dit_run(config_file: Path) -> None:
                          "(model.name = 'dit')")  # fmt: skip
 
 
-def dit_pt_config(flavor: str, config: str, overrides: list[str]) -> JobConfig:
-    """The config of a facebookresearch/DiT or REPA `.pt` file: a DiT of `flavor` with its fixed sin-cos positions
-    (a SiT-* flavor, REPA's, samples by rectified flow), then the `--config` TOML and the `--section.key value`
-    overrides."""
+def dit_pt_config(flavor: str, config: str, overrides: list[str], path: Path | None = None) -> JobConfig:
+    """The config of a `.pt` file: a DiT of `flavor`, then the `--config` TOML and the `--section.key value`
+    overrides. A facebookresearch/DiT file brings its fixed sin-cos positions; a REPA file (`path` tells) its SiT's
+    flow (repa_adapter.py) and a LightningDiT file its transport's (lightningdit_adapter.py), its flavor the rest."""
     if not flavor and not any(arg.partition("=")[0] == "--model.flavor" for arg in overrides):
-        raise ValueError("--flavor: a .pt checkpoint has no run config; name its shapes' flavor, e.g. DiT-XL/2 "
-                         "(SiT-XL/2 for REPA's)")  # fmt: skip
+        raise ValueError("--flavor: a .pt checkpoint has no run config; name its shapes' flavor, e.g. DiT-XL/2, "
+                         "SiT-XL/2 (REPA's) or LightningDiT-XL/1")  # fmt: skip
+    from torchtitan.models.dit.lightningdit_adapter import LIGHTNINGDIT_CONFIG_FLAGS, is_lightningdit_pt
+    from torchtitan.models.dit.repa_adapter import REPA_CONFIG_FLAGS, is_repa_pt
+
+    implied = ["--model.pos_embed", "sincos"]
+    if path and is_lightningdit_pt(path):
+        implied = list(LIGHTNINGDIT_CONFIG_FLAGS)
+    elif path and is_repa_pt(path):
+        implied = list(REPA_CONFIG_FLAGS)
     argv = ["--job.config_file", config] if config else []
-    argv += ["--model.name", "dit", "--model.pos_embed", "sincos"] + (["--model.flavor", flavor] if flavor else [])
-    if flavor.startswith("SiT-"):
-        argv += ["--diffusion.objective", "rectified_flow", "--diffusion.prediction", "velocity"]
+    argv += ["--model.name", "dit", *implied] + (["--model.flavor", flavor] if flavor else [])
     return parse_args(argv + overrides + SAMPLING_ONLY)
 
 
 def resolve_checkpoint(path: Path, config: str = "", flavor: str = "",
                        overrides: list[str] | None = None) -> tuple[JobConfig, Path]:  # fmt: skip
-    """(the run's config, the weights: a .safetensors file, a DCP step folder or a facebookresearch/DiT .pt)."""
+    """(the run's config, the weights: a .safetensors file, a DCP step folder or a facebookresearch/DiT or LightningDiT
+    .pt)."""
     if not path.exists():
         raise FileNotFoundError(f"--checkpoint: {path} does not exist")
     if path.suffix == ".pt":
-        return dit_pt_config(flavor, config, overrides or []), path
+        return dit_pt_config(flavor, config, overrides or [], path), path
     if flavor or overrides:
         raise ValueError(f"--flavor and --section.key overrides are for .pt checkpoints: {path} is a run's, whose "
                          "config.toml gives the model")  # fmt: skip
@@ -119,10 +127,16 @@ def load_model(cfg: JobConfig, weights: Path, device: torch.device):
     model.to_empty(device=device)
     model.init_weights()  # also computes the non-persistent buffers (positions) the weights file lacks
     if weights.suffix == ".pt":
-        from torchtitan.models.dit.repa_adapter import read_pt
+        from torchtitan.models.dit.lightningdit_adapter import is_lightningdit_pt, read_lightningdit_pt
+        from torchtitan.models.dit.repa_adapter import is_repa_pt, read_repa_pt
+        from torchtitan.models.dit.state_dict_adapter import read_dit_pt
 
-        state, reference = read_pt(weights, model_args)
-        model.load_state_dict(state, strict=True)
+        reference, read = "facebookresearch/DiT", read_dit_pt
+        if is_lightningdit_pt(weights):
+            reference, read = "LightningDiT", read_lightningdit_pt
+        elif is_repa_pt(weights):
+            reference, read = "REPA", read_repa_pt  # its projectors left out: the model has none
+        model.load_state_dict(read(weights, model_args), strict=True)
         which = f"{reference} weights of {weights}"
     elif weights.is_file():
         from safetensors.torch import load_file
