@@ -224,6 +224,7 @@ def time_steps(step: Callable[[], dict[str, torch.Tensor]], warmup: int, steps: 
 def measure(args: argparse.Namespace, reference: ModuleType, diffusion: ModuleType, device: torch.device) -> dict:
     """Builds the reference's training and times its step (see the module docstring)."""
     world_size = dist.get_world_size()
+    torch.manual_seed(args.seed * world_size + dist.get_rank())  # the reference's seed per rank
     latent_size = args.image_size // VAE_DOWNSAMPLE
     run = build_reference_run(reference, diffusion, args.model, latent_size, device, args.compile, args.compile_order)
     autocast = args.autocast and device.type == "cuda"
@@ -241,15 +242,14 @@ def measure(args: argparse.Namespace, reference: ModuleType, diffusion: ModuleTy
 
 
 def measure_and_report(args: argparse.Namespace, measure_rank: Callable[[], dict], device: torch.device) -> int:
-    """Runs `measure_rank` on every rank of the process group (or a world of one), each rank seeded as the
-    references seed theirs; rank 0 prints the `MEASURE_RESULT` line and the table, and writes `args.json_out`.
-    An out-of-memory error is a result ("OOM"), not a crash.
+    """Runs `measure_rank` on every rank of the process group (or a world of one); rank 0 prints the
+    `MEASURE_RESULT` line and the table, and writes `args.json_out`. An out-of-memory error is a result ("OOM"),
+    not a crash.
 
     Returns:
         The exit status: 0 when measured, 1 otherwise.
     """
     with distributed(device):
-        torch.manual_seed(args.seed * dist.get_world_size() + dist.get_rank())  # the reference's seed per rank
         try:
             result = measure_rank()
         except torch.OutOfMemoryError:
