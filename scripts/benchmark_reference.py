@@ -41,6 +41,7 @@ import os
 import sys
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
@@ -175,50 +176,92 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(args: argparse.Namespace, reference: ModuleType, diffusion: ModuleType, device: torch.device) -> dict:
-    """Builds the reference's training and times its step (see the module docstring)."""
-    world_size = dist.get_world_size()
-    latent_size = args.image_size // VAE_DOWNSAMPLE
-    run = build_reference_run(reference, diffusion, args.model, latent_size, device, args.compile, args.compile_order)
-    autocast = args.autocast and device.type == "cuda"
+def time_steps(step: Callable[[], dict[str, torch.Tensor]], warmup: int, steps: int, device: torch.device,
+               flops_per_image: float, images_per_step: int, profile: bool = False) -> dict:  # fmt: skip
+    """Times `step` as `torchtitan.measure.measure_steps` times ours (see the module docstring): `warmup` steps,
+    then `steps` each timed to a device sync, then `steps` back to back with one sync at the end.
 
-    def step() -> torch.Tensor:
-        x, y = random_latents(args.batch, run.plain.in_channels, latent_size, device)
-        return train_step(run, x, y, autocast)
+    Args:
+        step: one training step; returns its named losses (detached, on the device: no sync inside).
+        flops_per_image: our FLOP count of one training image, for TFLOP/s and MFU.
+        images_per_step: images of one step over all ranks.
+        profile: then profile 3 steps as scripts/benchmark.py does (CUDA only).
 
+    Returns:
+        The timing half of a result: rates, the timed steps' summary, `streamed_step_time_s`, `warmup_s`, the last
+        step's losses (this rank's), `gflop_per_image`, the peak memory over the timed steps and, on CUDA, the device.
+    """
     start = time.perf_counter()
-    for _ in range(args.warmup):
+    for _ in range(warmup):
         step()
     _sync(device)
     warmup_s = time.perf_counter() - start
-    flops = flops_per_image(reference_args(run.plain, latent_size))
-    meter = ThroughputMeter(device, flops, args.batch * world_size, world_size)  # resets the peak memory
+    meter = ThroughputMeter(device, flops_per_image, images_per_step, dist.get_world_size())  # resets the peak memory
     times = []
-    for _ in range(args.steps):
+    for _ in range(steps):
         start = time.perf_counter()
-        loss = step()
+        losses = step()
         _sync(device)
         times.append(time.perf_counter() - start)
     summary = warm_summary(times)
     start = time.perf_counter()  # back to back, as training runs them: the host may queue ahead of the GPU
-    for _ in range(args.steps):
-        loss = step()
+    for _ in range(steps):
+        losses = step()
     _sync(device)
-    streamed_s = (time.perf_counter() - start) / args.steps
-    result = {"name": args.name, "status": "ok", "model": args.model, "image_size": args.image_size,
-              "latent_size": latent_size, "in_channels": run.plain.in_channels, "batch": args.batch,
-              "world_size": world_size, "global_batch": args.batch * world_size, "compile": args.compile,
-              "compile_order": args.compile_order if args.compile else None,
-              "autocast": autocast, **meter.rates(summary["step_time_s"]), **summary,
-              "streamed_step_time_s": streamed_s, "warmup_s": warmup_s, "loss": loss.item(),  # this rank's mean
+    streamed_s = (time.perf_counter() - start) / steps
+    result = {**meter.rates(summary["step_time_s"]), **summary, "streamed_step_time_s": streamed_s,
+              "warmup_s": warmup_s, **{name: value.item() for name, value in losses.items()},
               "gflop_per_image": meter.flops_per_sample / 1e9, **peak_memory_gib(device)}  # fmt: skip
     if device.type == "cuda":
         result["device"] = torch.cuda.get_device_name(device)
-    if args.profile and device.type == "cuda":
+    if profile and device.type == "cuda":
         from torchtitan.measure import print_profile
 
         print_profile(SimpleNamespace(train_step=step, device=device))  # it needs only these two of a Trainer
     return result
+
+
+def measure(args: argparse.Namespace, reference: ModuleType, diffusion: ModuleType, device: torch.device) -> dict:
+    """Builds the reference's training and times its step (see the module docstring)."""
+    world_size = dist.get_world_size()
+    torch.manual_seed(args.seed * world_size + dist.get_rank())  # the reference's seed per rank
+    latent_size = args.image_size // VAE_DOWNSAMPLE
+    run = build_reference_run(reference, diffusion, args.model, latent_size, device, args.compile, args.compile_order)
+    autocast = args.autocast and device.type == "cuda"
+
+    def step() -> dict[str, torch.Tensor]:
+        x, y = random_latents(args.batch, run.plain.in_channels, latent_size, device)
+        return {"loss": train_step(run, x, y, autocast)}  # this rank's mean
+
+    head = {"name": args.name, "status": "ok", "model": args.model, "image_size": args.image_size,
+            "latent_size": latent_size, "in_channels": run.plain.in_channels, "batch": args.batch,
+            "world_size": world_size, "global_batch": args.batch * world_size, "compile": args.compile,
+            "compile_order": args.compile_order if args.compile else None, "autocast": autocast}  # fmt: skip
+    flops = flops_per_image(reference_args(run.plain, latent_size))
+    return {**head, **time_steps(step, args.warmup, args.steps, device, flops, args.batch * world_size, args.profile)}
+
+
+def measure_and_report(args: argparse.Namespace, measure_rank: Callable[[], dict], device: torch.device) -> int:
+    """Runs `measure_rank` on every rank of the process group (or a world of one); rank 0 prints the
+    `MEASURE_RESULT` line and the table, and writes `args.json_out`. An out-of-memory error is a result ("OOM"),
+    not a crash.
+
+    Returns:
+        The exit status: 0 when measured, 1 otherwise.
+    """
+    with distributed(device):
+        try:
+            result = measure_rank()
+        except torch.OutOfMemoryError:
+            result = {"name": args.name, "status": "OOM", "batch": args.batch,
+                      "global_batch": args.batch * dist.get_world_size()}  # fmt: skip
+        rank = dist.get_rank()
+    if rank == 0:
+        print(RESULT_PREFIX + json.dumps(result), flush=True)
+        print(result_table([result]), flush=True)
+        if args.json_out:
+            args.json_out.write_text(json.dumps(result) + "\n")
+    return 0 if result["status"] == "ok" else 1
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -260,20 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     device = get_device()
-    with distributed(device):
-        torch.manual_seed(args.seed * dist.get_world_size() + dist.get_rank())  # the reference's seed per rank
-        try:
-            result = measure(args, reference, diffusion, device)
-        except torch.OutOfMemoryError:
-            result = {"name": args.name, "status": "OOM", "batch": args.batch,
-                      "global_batch": args.batch * dist.get_world_size()}  # fmt: skip
-        rank = dist.get_rank()
-    if rank == 0:
-        print(RESULT_PREFIX + json.dumps(result), flush=True)
-        print(result_table([result]), flush=True)
-        if args.json_out:
-            args.json_out.write_text(json.dumps(result) + "\n")
-    return 0 if result["status"] == "ok" else 1
+    return measure_and_report(args, lambda: measure(args, reference, diffusion, device), device)
 
 
 if __name__ == "__main__":
