@@ -89,6 +89,9 @@ def load_repa(folder: Path) -> tuple[ModuleType, ModuleType]:
             raise FileNotFoundError(path)
         spec = importlib.util.spec_from_file_location("reference_repa_" + path.stem, path)
         module = importlib.util.module_from_spec(spec)
+        # Registered by its name: torch.compile (2.11) resolves a traced function's globals by importing its module,
+        # and --compile failed on the GPU machine with "No module named 'reference_repa_sit'" (2026-11-28 (k)).
+        sys.modules[spec.name] = module
         spec.loader.exec_module(module)
         modules.append(module)
     return modules[0], modules[1]
