@@ -51,13 +51,7 @@ def read_ldm_state_dict(path: Path) -> dict[str, torch.Tensor]:
     dict), through the allow-list; the losses' and the foundation model's entries dropped."""
     if not path.is_file():
         raise FileNotFoundError(f"SRC: {path} does not exist")
-    with open(path, "rb") as f:
-        try:
-            loaded = safe_pickle.torch_load(f, VAE_PICKLE_GLOBALS, str(path), "an autoencoder checkpoint")
-        except safe_pickle.UnsafePickleError:
-            raise
-        except Exception as e:  # truncated, or no torch.save file: torch's message names no file
-            raise ValueError(f"{path}: not a readable torch.save file ({type(e).__name__}: {e})") from e
+    loaded = safe_pickle.torch_load_file(path, VAE_PICKLE_GLOBALS, "an autoencoder checkpoint")
     state = loaded.get("state_dict", loaded) if isinstance(loaded, dict) else None
     if not isinstance(state, dict):
         raise ValueError(f"{path}: holds no state dict (a Lightning checkpoint's 'state_dict', or the dict itself)")

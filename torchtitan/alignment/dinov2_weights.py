@@ -62,13 +62,7 @@ _HF_LAYER = re.compile(r"^encoder\.layer\.(\d+)\.(.+)\.(weight|bias|lambda1)$")
 
 
 def _read_pth(path: Path) -> dict[str, torch.Tensor]:
-    with open(path, "rb") as f:
-        try:
-            state = safe_pickle.torch_load(f, safe_pickle.TORCH_TENSOR_GLOBALS, str(path), "a DINOv2 state dict")
-        except safe_pickle.UnsafePickleError:
-            raise
-        except Exception as e:  # a truncated file or no torch.save file at all: torch's message names no file
-            raise ValueError(f"{path}: not a readable torch.save file ({type(e).__name__}: {e})") from e
+    state = safe_pickle.torch_load_file(path, safe_pickle.TORCH_TENSOR_GLOBALS, "a DINOv2 state dict")
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ValueError(f"{path}: not a state dict of tensors (the official DINOv2 .pth is one)")
     if "cls_token" not in state or "patch_embed.proj.weight" not in state:

@@ -25,15 +25,7 @@ def read_latent_stats(path: str | Path) -> LatentNormalization:
     """
     path = Path(path)
     where = f"latent.stats_file = {str(path)!r}"
-    if not path.is_file():
-        raise FileNotFoundError(f"{where}: no such file")
-    with open(path, "rb") as f:
-        try:
-            stats = safe_pickle.torch_load(f, safe_pickle.TORCH_TENSOR_GLOBALS, str(path), "a latent statistics file")
-        except safe_pickle.UnsafePickleError:
-            raise
-        except Exception as e:  # truncated, or no torch.save file: torch's message names no file
-            raise ValueError(f"{where}: not a readable torch.save file ({type(e).__name__}: {e})") from e
+    stats = safe_pickle.torch_load_file(path, safe_pickle.TORCH_TENSOR_GLOBALS, "a latent statistics file", where)
     tensors = [stats.get(key) if isinstance(stats, dict) else None for key in ("mean", "std")]
     if not all(isinstance(t, torch.Tensor) for t in tensors) or tensors[0].numel() != tensors[1].numel():
         raise ValueError(f"{where}: expected {{'mean', 'std'}} tensors of one shape (1, C, 1, 1), as LightningDiT's "

@@ -88,3 +88,44 @@ def torch_load(file: BinaryIO, allowed: Collection[tuple[str, str]], source: str
                                    load=lambda f, **kwargs: unpickler(f, **kwargs).load())  # fmt: skip
     # weights_only=False only because an explicit pickle_module replaces torch's own restricted one.
     return torch.load(file, map_location="cpu", pickle_module=module, weights_only=False)
+
+
+def pickle_strings(path) -> set[str]:
+    """The strings a torch.save file's pickle holds, read without unpickling it (no code runs, no tensor is read),
+    for telling checkpoint formats apart; empty for torch.save's legacy (non-zip) format, a missing file or a
+    damaged pickle (the reader that loads the file then names it)."""
+    import pickletools
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            name = next((n for n in archive.namelist() if n.endswith("data.pkl")), None)
+            data = archive.read(name) if name else b""
+    except (zipfile.BadZipFile, OSError):
+        return set()
+    try:
+        return {arg for _, arg, _ in pickletools.genops(data) if isinstance(arg, str)}
+    except Exception:  # noqa: BLE001 (a damaged pickle: its reader names the file)
+        return set()
+
+
+def torch_load_file(path, allowed: Collection[tuple[str, str]], holder: str, where: str | None = None):
+    """`torch_load` of the file at `path`, with what goes wrong named: `where` (default: the path) in the message.
+
+    Raises:
+        FileNotFoundError: no such file.
+        UnsafePickleError: the file names code outside `allowed`.
+        ValueError: a truncated file, or no torch.save file at all (torch's own message names no file).
+    """
+    from pathlib import Path
+
+    where = where or str(path)
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{where}: no such file")
+    with open(path, "rb") as f:
+        try:
+            return torch_load(f, allowed, str(path), holder)
+        except UnsafePickleError:
+            raise
+        except Exception as e:  # noqa: BLE001 (named and re-raised)
+            raise ValueError(f"{where}: not a readable torch.save file ({type(e).__name__}: {e})") from e

@@ -29,15 +29,14 @@ data - noise. `diffusion.time_input = "1-t"` gives the model that t and negates 
 tests/test_lightningdit_weights.py checks all of it on a checkpoint the reference's own code wrote.
 """
 
-import pickletools
 import re
-import zipfile
 from pathlib import Path
 
 import torch
 
 from torchtitan.models.dit.model import DiT, DiTArgs, sincos_pos_embed_2d
 from torchtitan.models.dit.rope import build_rope_2d
+from torchtitan.models.dit.state_dict_adapter import weights_of
 from torchtitan.tools import safe_pickle
 
 # Tensors, the state dicts' OrderedDict; the optimizer state and train.py's YAML config are plain containers.
@@ -57,16 +56,7 @@ def is_lightningdit_pt(path: str | Path) -> bool:
     """Whether a `.pt` file is LightningDiT's, told from the strings of its pickle without unpickling it (no code
     runs, no tensor is read): train.py's config with a `transport` section, or a key of LightningDiT's RoPE, SwiGLU
     or RMSNorm. A LayerNorm-GELU LightningDiT without RoPE has facebookresearch/DiT's keys and is not told apart."""
-    try:
-        with zipfile.ZipFile(path) as archive:
-            name = next((n for n in archive.namelist() if n.endswith("data.pkl")), None)
-            data = archive.read(name) if name else b""
-    except (zipfile.BadZipFile, OSError):
-        return False  # torch.save's legacy format, or no file: not a LightningDiT checkpoint (2024, zip format)
-    try:
-        strings = {arg for _, arg, _ in pickletools.genops(data) if isinstance(arg, str)}
-    except Exception:  # a damaged pickle: the reader that loads it names the file
-        return False
+    strings = safe_pickle.pickle_strings(path)
     return any(marker in strings for marker in _MARKERS)
 
 
@@ -228,21 +218,8 @@ def read_lightningdit_pt(path: str | Path, args: DiTArgs) -> dict[str, torch.Ten
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist")
-    with open(path, "rb") as f:
-        try:
-            loaded = safe_pickle.torch_load(f, LIGHTNINGDIT_PT_PICKLE_GLOBALS, str(path), "a LightningDiT checkpoint")
-        except safe_pickle.UnsafePickleError:
-            raise
-        except Exception as e:  # a truncated file or no torch.save file at all: torch's message names no file
-            raise ValueError(f"{path}: not a readable torch.save file ({type(e).__name__}: {e})") from e
+    loaded = safe_pickle.torch_load_file(path, LIGHTNINGDIT_PT_PICKLE_GLOBALS, "a LightningDiT checkpoint")
     if not isinstance(loaded, dict):
         raise ValueError(f"{path}: holds a {type(loaded).__name__}, not a LightningDiT state dict or checkpoint")
-    for entry in ("ema", "model"):  # train.py's checkpoint: the EMA is what its inference.py samples from
-        if isinstance(loaded.get(entry), dict):
-            loaded = loaded[entry]
-            break
-    others = [key for key, value in loaded.items() if not isinstance(value, torch.Tensor)]
-    if others:
-        raise ValueError(f"{path}: {others[:5]} are no tensors: not a LightningDiT state dict nor its train.py "
-                         "checkpoint ({'model', 'ema', 'opt', 'config'})")  # fmt: skip
+    loaded = weights_of(loaded, path, "LightningDiT's train.py checkpoint ({'model', 'ema', 'opt', 'config'})")
     return from_lightningdit(loaded, args, str(path))

@@ -18,15 +18,14 @@ Given the same weights, inputs, noise and times, our losses and gradients equal 
 on a checkpoint REPA's own code wrote: tests/data/repa_reference/).
 """
 
-import pickletools
 import re
-import zipfile
 from pathlib import Path
 
 import torch
 
 from torchtitan.models.dit.model import DiT, DiTArgs
 from torchtitan.models.dit.state_dict_adapter import from_reference, load_pt
+from torchtitan.tools import safe_pickle
 
 # Fields only REPA's train.py args have (its encoder and projection loss).
 _REPA_ARGS = ("enc_type", "proj_coeff", "encoder_depth")
@@ -40,16 +39,7 @@ _MARKERS = ("enc_type", "proj_coeff", "projectors.0.0.weight")
 def is_repa_pt(path: str | Path) -> bool:
     """Whether a `.pt` file is REPA's, told from the strings of its pickle without unpickling it (no code runs, no
     tensor is read): its train.py args' encoder fields, or a projector's or legacy decoder block's key."""
-    try:
-        with zipfile.ZipFile(path) as archive:
-            name = next((n for n in archive.namelist() if n.endswith("data.pkl")), None)
-            data = archive.read(name) if name else b""
-    except (zipfile.BadZipFile, OSError):
-        return False  # torch.save's legacy format, or no file: not a REPA checkpoint (2024, zip format)
-    try:
-        strings = {arg for _, arg, _ in pickletools.genops(data) if isinstance(arg, str)}
-    except Exception:  # noqa: BLE001 (a damaged pickle: the reader that loads it names the file)
-        return False
+    strings = safe_pickle.pickle_strings(path)
     return any(marker in strings for marker in _MARKERS) or any(s.startswith("decoder_blocks.") for s in strings)
 
 

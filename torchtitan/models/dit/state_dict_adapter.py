@@ -93,14 +93,25 @@ def _weights_in(loaded, path: Path) -> dict[str, torch.Tensor]:
     args = loaded.get("args")
     if args is not None and any(hasattr(args, field) for field in _SIT_ARGS):
         raise ValueError(_sit_refusal(path) + f" (its args have {[f for f in _SIT_ARGS if hasattr(args, f)]})")
-    for entry in ("ema", "model"):  # train.py's checkpoint: the EMA is what the reference samples from
+    return weights_of(loaded, path, "a facebookresearch/DiT train.py checkpoint ({'model', 'ema', 'opt', 'args'})")
+
+
+def weights_of(loaded: dict, path, checkpoint: str) -> dict[str, torch.Tensor]:
+    """The weights in a loaded training `.pt` (the DiT family's train.py files: facebookresearch/DiT, SiT, REPA,
+    LightningDiT): its "ema" entry (what their samplers use), else its "model", else the file itself as a state
+    dict.
+
+    Raises:
+        ValueError: what is left holds something other than tensors; `path` and `checkpoint` (what such a file
+            holds) named.
+    """
+    for entry in ("ema", "model"):
         if isinstance(loaded.get(entry), dict):
             loaded = loaded[entry]
             break
     others = [key for key, value in loaded.items() if not isinstance(value, torch.Tensor)]
     if others:
-        raise ValueError(f"{path}: {others[:5]} are no tensors: not a DiT state dict nor a facebookresearch/DiT "
-                         "train.py checkpoint ({'model', 'ema', 'opt', 'args'})")  # fmt: skip
+        raise ValueError(f"{path}: {others[:5]} are no tensors: not a state dict nor {checkpoint}")
     return dict(loaded)
 
 
@@ -161,13 +172,7 @@ def load_pt(path: str | Path, holder: str = "a DiT checkpoint"):
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist")
-    with open(path, "rb") as f:
-        try:
-            return safe_pickle.torch_load(f, DIT_PT_PICKLE_GLOBALS, str(path), holder)
-        except safe_pickle.UnsafePickleError:
-            raise
-        except Exception as e:  # a truncated file or no torch.save file at all: torch's message names no file
-            raise ValueError(f"{path}: not a readable torch.save file ({type(e).__name__}: {e})") from e
+    return safe_pickle.torch_load_file(path, DIT_PT_PICKLE_GLOBALS, holder)
 
 
 def convert_dit_pt(loaded, path: Path, args: DiTArgs) -> dict[str, torch.Tensor]:
