@@ -323,7 +323,7 @@ def test_bad_hugging_face_folder_is_one_error_line(tmp_path, monkeypatch, capsys
     assert last.startswith(f"error: checkpoint.initial_load_path = '{tmp_path / 'hf'}'"), last
     assert "config.json: not a Llama config (model_type 'gpt2', architectures ['GPT2LMHeadModel'])" in last
     with pytest.raises(ConfigError, match=r"checkpoint.initial_load_format.*model.name 'dit'.*no 'hf' weights.*"
-                                          r"\['dcp', 'dit_pt', 'diffusers', 'lightningdit_pt'\]"):  # fmt: skip
+                                          r"\['dcp', 'dit_pt', 'repa_pt', 'diffusers', 'lightningdit_pt'\]"):  # fmt: skip
         parse_args(["--checkpoint.initial_load_format", "hf", "--checkpoint.initial_load_path", "x"])
 
 
