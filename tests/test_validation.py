@@ -22,6 +22,7 @@ from torchtitan.components import validation
 from torchtitan.components.validation import ADM_SPLIT_SIZE, FeatureSums, FIDValidator, rank_batches
 from torchtitan.config_manager import parse_args
 from torchtitan.config_validation import ConfigError
+from torchtitan.tools.adm_metrics import class_probabilities
 from torchtitan.tools.fid import build_inception, feature_statistics, frechet_distance, inception_features
 from torchtitan.tools.images import to_uint8_nhwc
 
@@ -166,7 +167,7 @@ def test_inception_score_closed_forms_and_adm():
     assert distinct.inception_score() == pytest.approx(6.0)  # one-hot on 6 classes: exp(log 6)
     # 12,000 samples: ADM's three splits of 5000, 5000 and 2000, the samples dealt to two ranks in batches of 700.
     rng = np.random.default_rng(0)
-    preds = validation.softmax(rng.normal(0, 3, (12_000, classes)))
+    preds = class_probabilities(rng.normal(0, 3, (12_000, classes)), np.eye(classes))  # softmax of the logits
     ranks = [FeatureSums(1, len(preds), classes) for _ in range(2)]
     for b, start in enumerate(range(0, len(preds), 700)):
         ranks[b % 2].add(np.zeros((len(preds[start : start + 700]), 1)), preds[start : start + 700], start)

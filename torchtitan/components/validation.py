@@ -29,11 +29,11 @@ import torch.distributed as dist
 
 from torchtitan.config_validation import ConfigError, at
 from torchtitan.diffusion import batch_noise, labels_for, sample_images
+from torchtitan.tools.adm_metrics import IS_SPLIT_SIZE as ADM_SPLIT_SIZE  # compute_inception_score's split_size
+from torchtitan.tools.adm_metrics import class_probabilities
 from torchtitan.tools.fid import build_inception, frechet_distance, inception_features, load_statistics
 from torchtitan.tools.images import to_uint8_nhwc
 from torchtitan.tools.logging import logger
-
-ADM_SPLIT_SIZE = 5000  # ADM's compute_inception_score(split_size=5000)
 
 
 def rank_batches(num_samples: int, batch_size: int, rank: int, world: int) -> list[tuple[int, int, int] | None]:
@@ -47,11 +47,6 @@ def rank_batches(num_samples: int, batch_size: int, rank: int, world: int) -> li
         b = k * world + rank
         batches.append((b, starts[b], min(batch_size, num_samples - starts[b])) if b < len(starts) else None)
     return batches
-
-
-def softmax(logits: np.ndarray) -> np.ndarray:
-    shifted = np.exp(logits - logits.max(1, keepdims=True))
-    return shifted / shifted.sum(1, keepdims=True)
 
 
 class FeatureSums:
@@ -179,10 +174,8 @@ class FIDValidator:
         cfg, v = self.config, self.config.validation
         try:
             self.network = build_inception(v.inception_weights, "cpu", v.fid_dims)
-            if v.fid_dims == 2048:
-                weight = torch.load(v.inception_weights, map_location="cpu", weights_only=True).get("fc.weight")
-                if weight is not None and weight.shape[-1] == 2048:
-                    self.logits_weight = weight.double().numpy()
+            if v.fid_dims == 2048:  # build_inception keeps the file's fc.weight (the load requires it)
+                self.logits_weight = self.network.logits_weight.numpy()
         except Exception as e:  # noqa: BLE001 (any unreadable file is this key's problem)
             raise ConfigError(f"{at(cfg, 'validation.inception_weights')}: {type(e).__name__}: {e}") from e
         if self.logits_weight is None:
@@ -280,7 +273,7 @@ class FIDValidator:
             features = inception_features(self.network, to_uint8_nhwc(x), batch_size=v.fid_batch_size)
             if not np.isfinite(features).all():
                 raise ValueError("the Inception features are not finite")
-            probabilities = softmax(features @ self.logits_weight.T) if sums.classes else None
+            probabilities = class_probabilities(features, self.logits_weight) if sums.classes else None
             sums.add(features, probabilities, first)
 
     def _log(self, step: int, record: dict) -> None:
