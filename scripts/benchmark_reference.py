@@ -264,6 +264,18 @@ def measure_and_report(args: argparse.Namespace, measure_rank: Callable[[], dict
     return 0 if result["status"] == "ok" else 1
 
 
+def add_measure_args(parser: argparse.ArgumentParser, name: str) -> None:
+    """The options every reference harness shares: steps before and of timing, the profile, the result's file, the
+    case's name and the reference's global seed."""
+    parser.add_argument("--warmup", type=int, default=3, help="steps before timing (compilation)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps")
+    parser.add_argument("--profile", action="store_true", help="then profile 3 steps as scripts/benchmark.py does "
+                        "(CUDA): the top kernels, the GPU's waits, the host's ops")  # fmt: skip
+    parser.add_argument("--json-out", type=Path, help="also write the result to this file (rank 0)")
+    parser.add_argument("--name", default=name, help="the case's name in the table")
+    parser.add_argument("--seed", type=int, default=0, help="the reference's global seed")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reference-dit", type=Path, required=True,
@@ -271,19 +283,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", default="DiT-XL/2", help="a key of the reference's DiT_models")
     parser.add_argument("--image-size", type=int, default=256, help="pixels; the latents are image_size // 8")
     parser.add_argument("--batch", type=int, default=32, help="latents per rank (per GPU)")
-    parser.add_argument("--warmup", type=int, default=3, help="steps before timing (compilation)")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                         help="torch.compile the model")  # fmt: skip
     parser.add_argument("--compile-order", choices=["before-ddp", "after-ddp"], default="before-ddp",
                         help="DDP(compile(model)) or compile(DDP(model))")  # fmt: skip
     parser.add_argument("--autocast", action=argparse.BooleanOptionalAction, default=True,
                         help="bf16 autocast over the forward and the loss (CUDA)")  # fmt: skip
-    parser.add_argument("--profile", action="store_true", help="then profile 3 steps as scripts/benchmark.py does "
-                        "(CUDA): the top kernels, the GPU's waits, the host's ops")  # fmt: skip
-    parser.add_argument("--json-out", type=Path, help="also write the result to this file (rank 0)")
-    parser.add_argument("--name", default="reference_dit", help="the case's name in the table")
-    parser.add_argument("--seed", type=int, default=0, help="the reference's global seed")
+    add_measure_args(parser, "reference_dit")
     return parser.parse_args(argv)
 
 

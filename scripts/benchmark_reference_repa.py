@@ -59,7 +59,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scripts.benchmark_reference import measure_and_report, time_steps, update_ema  # noqa: E402
+from scripts.benchmark_reference import add_measure_args, measure_and_report, time_steps, update_ema  # noqa: E402
 from torchtitan.models.dit.model import DiTArgs, flops_per_image  # noqa: E402
 from torchtitan.tools.utils import get_device  # noqa: E402
 
@@ -329,13 +329,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="wrap in DDP; default: with more than one process, as accelerate does")  # fmt: skip
     parser.add_argument("--step-logs", action=argparse.BooleanOptionalAction, default=True,
                         help="REPA's per-step log: three gathers over the ranks, each read on the host")  # fmt: skip
-    parser.add_argument("--warmup", type=int, default=3, help="steps before timing (compilation)")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps")
-    parser.add_argument("--profile", action="store_true", help="then profile 3 steps as scripts/benchmark.py does "
-                        "(CUDA): the top kernels, the GPU's waits, the host's ops")  # fmt: skip
-    parser.add_argument("--json-out", type=Path, help="also write the result to this file (rank 0)")
-    parser.add_argument("--name", default="reference_repa", help="the case's name in the table")
-    parser.add_argument("--seed", type=int, default=0, help="REPA's global seed")
+    add_measure_args(parser, "reference_repa")
     return parser.parse_args(argv)
 
 

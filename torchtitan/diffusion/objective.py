@@ -7,6 +7,14 @@ from torch import nn
 from torchtitan.diffusion import build_diffusion
 
 
+def draw_weights(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Each draw's weight (B K,) for per-draw values (B K,): 1, or its sample's Poisson mask (B,) for each of its K
+    draws (padding counts nowhere)."""
+    if mask is None:
+        return torch.ones_like(values)
+    return mask.double().repeat_interleave(values.numel() // mask.numel())
+
+
 class LossByTimestep:
     """minRF's diagnostic: the mean per-sample loss in each of `num_bins` equal bins of t in [0, 1] (rectified flow's
     t; DDPM's t / num_timesteps), over the samples since the last log, logged as `loss/t_bin_k`.
@@ -32,9 +40,7 @@ class LossByTimestep:
             mask: (B,) 1 for a real sample, 0 for Poisson padding; None: all real.
         """
         losses = losses.detach().double().reshape(-1)  # (B K,)
-        weight = torch.ones_like(losses)
-        if mask is not None:
-            weight = mask.double().repeat_interleave(losses.numel() // mask.numel())  # each of a sample's K draws
+        weight = draw_weights(losses, mask)
         bins = torch.bucketize(t.detach().float().reshape(-1), self.edges, right=True)  # (B K,) in [0, n)
         self.totals[0].index_add_(0, bins, losses * weight)
         self.totals[1].index_add_(0, bins, weight)
@@ -63,9 +69,7 @@ class MeanLoss:
         if values is None:
             return
         values = values.detach().double().reshape(-1)
-        weight = torch.ones_like(values)
-        if mask is not None:
-            weight = mask.double().repeat_interleave(values.numel() // mask.numel())  # each of a sample's K draws
+        weight = draw_weights(values, mask)
         self.totals += torch.stack([(values * weight).sum(), weight.sum()])
 
     def metrics(self, group=None) -> dict[str, float]:
