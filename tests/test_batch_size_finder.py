@@ -72,7 +72,7 @@ def memory_of(fixed: float, per_sample: float, usable: float, calls: list[int]):
 @pytest.mark.parametrize("slope_error, most", [(1.0, 3), (1.18, 4), (0.8, 6)])
 def test_measured_memory_steers_the_search_to_few_probes(slope_error, most):
     """The 7B's case (2026-11-28, 4 H200s): the first probe, at the estimate's 214, ran with 120.9 GiB active, and
-    227 ran with 125.8 (0.90 of the card, ESTIMATE_HEADROOM's share) where 236 ran out. With the line through the
+    227 ran two steps with 125.8 (0.90 of the card) where 236 ran out. With the line through the
     measured active peaks (while one probe has run, the estimate's slope: 18% too steep for the 7B) the search
     takes 3-6 probes where doubling and bisection take 9 of minutes each, and finds the same exact answer; a
     guide that is wildly wrong costs at most its few probes."""

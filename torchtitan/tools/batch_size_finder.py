@@ -25,8 +25,8 @@ from torchtitan.tools.runs import Run, launch
 ROOT = Path(__file__).resolve().parents[2]
 # Share of GPU memory the estimate may fill when it alone picks the batch (several ranks): the estimate
 # is within -6%..+11% of measured peaks (docs/memory.md), and the CUDA context and fragmentation come on top. The
-# finder's line aims the measured active peaks at it too: the 7B on 4 H200s ran at 227 a GPU with 125.8 GiB active
-# (0.90 of 139.8) and ran out of memory at 236 (2026-11-28).
+# finder's line aims the measured active peaks at it too: the 7B on 4 H200s ran two steps at 227 a GPU with 125.8 GiB
+# active (0.90 of 139.8; the call ended in its third) and ran out of memory at 236 (2026-11-28).
 ESTIMATE_HEADROOM = 0.9
 # Probes that follow the measured-memory line before doubling and bisection take over: an exact line needs one
 # probe past the first, and one more confirms the boundary; a third covers a step of the allocator's rounding.
