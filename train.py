@@ -25,6 +25,11 @@ from torchtitan.trainer import Trainer
 # build reads it and stops the run when a later batch meets it.
 REFUSED = (ConfigError, RunFolderError, CheckpointLoadError, UnreadableImageError)
 STOPPED = (NonFiniteStepError, NonFiniteStateError, CheckpointSaveError, UnreadableImageError)
+# Stops every rank takes at the same step (the guard decides from all-reduced numbers): only after these, or a
+# finished run, do the ranks meet at teardown. After any other failure (an OOM, an unreadable image: one rank's
+# own) the others wait inside a collective, so a barrier would hang the job until NCCL's timeout; the failing rank
+# leaves instead, and torchrun stops the rest.
+TOGETHER = (NonFiniteStepError,)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,9 +40,12 @@ def main(argv: list[str] | None = None) -> int:
         logger.error(str(e))
         print(f"error: {e}", file=sys.stderr)
         return 2
+    together = False
     try:
         trainer.train()
+        together = True
     except STOPPED as e:
+        together = isinstance(e, TOGETHER)
         logger.error(str(e))
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -45,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer.profiler.dump_snapshot("oom")
         raise
     finally:
-        trainer.close()
+        trainer.close(together)
         # The trainer's modules and FSDP/DDP state form reference cycles (and GarbageCollection turned automatic
         # collection off) that hold the process groups' C++ objects: free them now, while the interpreter is whole,
         # not during its finalization, where gloo's teardown can abort the process ("terminate called").

@@ -154,6 +154,9 @@ def test_find_max_batch_over_recorded_probes(tmp_path, monkeypatch):
     assert find_max_batch(lambda b: pytest.fail("probed again"), folder, limit=16) == found  # the kept answer
     broken = find_max_batch(run_at, tmp_path / "broken", limit=7, force=True)  # 1, 2, 4, then 7 fails otherwise
     assert broken == {"batch": None, "start": 1, "error": "batch 7: failed (2)"}
+    shutil.rmtree(tmp_path / "broken" / "bs7")
+    assert find_max_batch(run_at, tmp_path / "broken", limit=7) == broken  # a failed search is not an answer to keep:
+    assert (tmp_path / "broken" / "bs7" / "status.json").is_file()  # it searched again (a timeout may not recur)
     at_limit = find_max_batch(run_at, tmp_path / "small", limit=3)
     assert at_limit["batch"] == 3 and at_limit["lower_bound"] is True  # nothing ran out of memory above it
 

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -188,3 +189,63 @@ def test_failing_side_features_never_end_the_run(tmp_path):
         assert failure in result.stderr, failure
     assert result.stderr.index("saved checkpoint") < result.stderr.index("step 2: writing samples failed")
     assert "training done" in result.stderr
+
+
+@pytest.mark.parametrize("failure, together", [(None, True), ("non-finite", True), ("oom", False),
+                                               ("unreadable", False), ("other", False)])  # fmt: skip
+def test_a_rank_that_fails_alone_leaves_without_waiting_for_the_others(monkeypatch, failure, together):
+    """Only a finished run, or a stop every rank takes at one step, meets the other ranks at teardown. A rank's own
+    failure (an OOM: 7B probes on 4 H200s hung there until the 200 s limit, 2026-11-28) must not enter a barrier
+    that ranks waiting inside FSDP's all-gather never reach: it leaves, and torchrun stops the rest."""
+    import train
+    from torchtitan.components.step_guard import NonFiniteStepError
+    from torchtitan.datasets.imagefolder import UnreadableImageError
+
+    raised = {
+        "non-finite": NonFiniteStepError("step 3: loss nan"),
+        "oom": torch.OutOfMemoryError("CUDA out of memory"),
+        "unreadable": UnreadableImageError("img.png: truncated"),
+        "other": RuntimeError("NCCL error"),
+    }
+    closed = []
+
+    class FakeTrainer:
+        def __init__(self, job_config):
+            self.profiler = mock.Mock()
+
+        def train(self):
+            if failure:
+                raise raised[failure]
+
+        def close(self, together=True):
+            closed.append(together)
+
+    monkeypatch.setattr(train, "Trainer", FakeTrainer)
+    monkeypatch.setattr(train, "parse_args", lambda argv: None)
+    if failure in ("oom", "other"):
+        with pytest.raises(type(raised[failure])):
+            train.main([])
+    else:
+        assert train.main([]) == (1 if failure else 0)
+    assert closed == [together]
+
+
+def test_close_apart_skips_the_barrier_and_the_teardown(monkeypatch):
+    from torchtitan.trainer import Trainer
+
+    calls = []
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
+    monkeypatch.setattr(torch.distributed, "barrier", lambda: calls.append("barrier"))
+    monkeypatch.setattr(torch.distributed, "destroy_process_group", lambda: calls.append("destroy"))
+    trainer = Trainer.__new__(Trainer)
+    trainer.dataloader, trainer.profiler, trainer.metrics, trainer.run_lock = (
+        mock.Mock(),
+        mock.Mock(),
+        mock.Mock(),
+        None,
+    )
+    trainer.close(together=False)
+    assert calls == [] and trainer.dataloader.close.called and trainer.metrics.close.called
+    trainer.close()
+    assert calls == ["barrier", "destroy"]

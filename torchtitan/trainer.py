@@ -474,12 +474,16 @@ class Trainer:
             logger.exception(f"exporting ema.safetensors failed ({type(e).__name__}: {e}); the checkpoints hold "
                              "the weights")  # fmt: skip
 
-    def close(self) -> None:
+    def close(self, together: bool = True) -> None:
+        """Releases workers, writers and the run folder; with `together` (every rank got here at the same step:
+        the run finished, or stopped on a decision all ranks share) also the process group. Otherwise a rank failed
+        alone and the others are inside a collective it will never join: no barrier, no teardown of NCCL (either
+        would wait for them); the process exits and torchrun stops the rest. One process has no one to wait for."""
         self.dataloader.close()  # its worker processes, persistent ones included
         self.profiler.close()
         self.metrics.close()
         if self.run_lock is not None:
             self.run_lock.release()
-        if dist.is_initialized():
+        if dist.is_initialized() and (together or dist.get_world_size() == 1):
             dist.barrier()  # every rank reaches teardown before gloo/NCCL is destroyed (avoids an abort at exit)
             dist.destroy_process_group()

@@ -117,7 +117,8 @@ def find_max_batch(run_at: Callable[[int], Run], folder: Path, limit: int, timeo
 
     Args:
         run_at: the script's run at a batch (short: a few steps); its name must tell batches apart.
-        folder: the probes' run folders go below it; the answer next to it (an earlier one is reused).
+        folder: the probes' run folders go below it; the answer next to it (an earlier answer is reused; an earlier
+            failure is not: the search runs again over the probes recorded ok or OOM).
         limit: largest batch to try (on CPU nothing runs out of memory: the search stops there).
         timeout, force: per probe, as `execute` takes them; force also searches again.
 
@@ -127,7 +128,9 @@ def find_max_batch(run_at: Callable[[int], Run], folder: Path, limit: int, timeo
     folder = Path(folder)
     found_file = folder.parent / f"{folder.name}.json"  # not with_suffix: run names hold dots ("dit_0.5B_...")
     if found_file.is_file() and not force:  # the probes are the expensive part: keep their answer
-        return json.loads(found_file.read_text())
+        kept = json.loads(found_file.read_text())
+        if kept.get("batch") is not None:  # a search that failed (a probe's timeout, a crash) runs again
+            return kept
     memory = device_memory_gib()
     try:
         start = min(estimated_start(run_at(1), memory), limit)
