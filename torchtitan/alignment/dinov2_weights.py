@@ -13,6 +13,7 @@ The position table is resampled once to the grid the encoder runs at, as REPA do
 """
 
 import functools
+import hashlib
 import json
 import re
 from dataclasses import replace
@@ -175,6 +176,15 @@ def read_dinov2(path: str | Path, grid: int) -> tuple[ViTArgs, dict[str, torch.T
         ValueError: not DINOv2 weights (UnsafePickleError for a file naming code); the file and key named.
     """
     path = Path(path)
+    config, state = _read_state(path)
+    args = _args_from_state(state, grid, str(path), config)
+    state["pos_embed"] = resample_positions(state["pos_embed"], grid)
+    return args, state
+
+
+def _read_state(path: Path) -> tuple[dict | None, dict[str, torch.Tensor]]:
+    """(config.json of a Hugging Face folder or None, the state dict in the official names without the unused mask
+    token, its position table as published)."""
     if path.is_dir():
         from safetensors.torch import load_file
 
@@ -187,10 +197,40 @@ def read_dinov2(path: str | Path, grid: int) -> tuple[ViTArgs, dict[str, torch.T
         config, state = None, _read_pth(path)
     else:
         raise FileNotFoundError(f"{path} does not exist")
-    args = _args_from_state(state, grid, str(path), config)
-    state = {key: value for key, value in state.items() if key not in _UNUSED}
-    state["pos_embed"] = resample_positions(state["pos_embed"], grid)
-    return args, state
+    return config, {key: value for key, value in state.items() if key not in _UNUSED}
+
+
+def _stamp(path: Path) -> tuple:
+    """What a cached read is keyed by: the file's (or the folder's files') sizes and modification times."""
+    files = sorted(path.iterdir()) if path.is_dir() else [path]
+    return tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file())
+
+
+@functools.lru_cache(maxsize=8)
+def _weights_sha256(path: str, stamp: tuple) -> str:
+    config, state = _read_state(Path(path))
+    args = _args_from_state(state, 1, path, config)
+    # What the tensors' shapes do not say (heads, norm epsilon), as the same network reads from either format.
+    digest = hashlib.sha256(f"{args.num_heads} {float(args.norm_eps)!r} {args.mlp} {args.layerscale};".encode())
+    for name in sorted(state):
+        tensor = state[name].contiguous()
+        digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)};".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def dinov2_sha256(path: str | Path) -> str:
+    """sha256 of the encoder's weights, tensor by tensor in the official names (name, dtype, shape, values; the
+    unused mask token left out): the same network gives the same hash from a file or folder of any name, and
+    features stored by prepare.py are told apart by it. Cached by the files' sizes and modification times.
+
+    Raises:
+        FileNotFoundError, ValueError: as read_dinov2.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist")
+    return _weights_sha256(str(path.resolve()), _stamp(path))
 
 
 @functools.lru_cache(maxsize=8)
