@@ -266,3 +266,212 @@ def test_debug_model_aligns_on_cpu_stops_and_exports_without_projectors(tmp_path
         encoder.unlink(missing_ok=True)
         model, args = load_model(*resolve_checkpoint(source), torch.device("cpu"))
         assert model.projectors is None and args.align_depth == 0
+
+
+# Stored features (prepare.py --store-features): 6 images of 16 px, 4 x 4 latents of 4 channels, the debug DiT's
+# patch 2: a 2 x 2 token grid, the encoder at 28 px.
+FEATURE_DTYPES = {"float32": 0.0, "float16": 2.0**-11, "bfloat16": 2.0**-8}  # each dtype's unit roundoff
+
+
+@pytest.fixture(scope="module")
+def aligned_latents(tmp_path_factory) -> dict[str, Path]:
+    """Latents prepared with their images and the tiny encoder's features in each storage dtype; with images alone."""
+    from tests.test_cosmos_latent_decoder import make_image_folder, make_jit_tokenizer
+    from tests.test_latents import prepare_folder
+
+    root = tmp_path_factory.mktemp("aligned")
+    images = make_image_folder(root / "images", classes=2, per_class=3)
+    make_jit_tokenizer(root / "tok", channels=4, downsample=4)
+    data = {"encoder": write_tiny_dinov2(root / "dinov2_vits14_pretrain.pth", grid=37), "tok": root / "tok"}
+    for dtype in [*FEATURE_DTYPES, "images"]:
+        features = {} if dtype == "images" else {"store_features": str(data["encoder"]), "features_dtype": dtype}
+        assert prepare_folder(images, root / "tok", root / dtype, store_images=True, **features)
+        data[dtype] = root / dtype
+    return data
+
+
+def _aligning_args(data: dict, folder: str, *extra: str) -> list[str]:
+    """The debug config aligning on the latents of `folder` (a block of its 4, a narrow projector)."""
+    from tests.conftest import TINY
+
+    return [*TINY, "--training.dataset", "latents", "--training.dataset_path", str(data[folder]),
+            "--model.in_channels", "4", "--model.input_size", "4", "--model.num_classes", "2",
+            "--alignment.enable", "true", "--alignment.encoder_path", str(data["encoder"]), "--alignment.depth", "2",
+            "--alignment.projector_dim", "16", "--training.local_batch_size", "2",
+            "--training.dataloader.num_workers", "0", *extra]  # fmt: skip
+
+
+def test_prepared_features_are_the_encoders_of_each_view(aligned_latents):
+    """prepare --store-features keeps the encoder's features of each view, computed from the uint8 image
+    --store-images keeps: the dataset hands on those of the view its latent is, equal to what the encoder computes on
+    the fly from that view's image (float32 stored: 1e-5, the float noise of another batch's matmuls). A mirror's
+    features are not the token grid of the image's mirrored (a ViT's patch embedding and position table are not
+    symmetric), so both are stored: T x D values a view, 2 x 4 x 64 x 4 bytes an image here."""
+    from safetensors import safe_open
+
+    from torchtitan.alignment.dinov2_weights import dinov2_sha256
+    from torchtitan.datasets.latents import LatentShardDataset, read_meta
+    from torchtitan.datasets.prefetch import images_to_float
+
+    folder = aligned_latents["float32"]
+    record = read_meta(folder)["features"]
+    assert record == {"encoder": "dinov2", "encoder_file": "dinov2_vits14_pretrain.pth", "dim": 64, "depth": 1,
+                      "encoder_sha256": dinov2_sha256(aligned_latents["encoder"]), "grid": 2, "image_size": 28,
+                      "compute_dtype": "float32", "dtype": "float32"}  # fmt: skip
+    encoder = FrozenEncoder(*read_dinov2(aligned_latents["encoder"], 2))
+    with_images = LatentShardDataset(folder, images=True)
+    with_features = LatentShardDataset(folder, features=True)
+    views = set()
+    for index in range(len(with_features)):
+        for seed in (0, 1, 2):
+            torch.manual_seed(seed)
+            (latent, image), _ = with_images[index]
+            torch.manual_seed(seed)  # the same view drawn
+            (same_latent, features), _ = with_features[index]
+            assert torch.equal(latent, same_latent) and features.dtype == torch.float32
+            torch.testing.assert_close(features, encoder(images_to_float(image[None]))[0], rtol=0, atol=1e-5)
+            views.add(
+                int(not torch.equal(latent, with_images.normalization.normalize(with_images.raw(index)[0].float())))
+            )
+    assert views == {0, 1}
+    with safe_open(str(folder / "shard-00000.safetensors"), "pt") as f:
+        stored = f.get_tensor("features")  # (n, V, T, D)
+    assert stored.shape == (5, 2, 4, 64) and stored.nbytes == 5 * 2 * 4 * 64 * 4
+    grid_mirrored = stored[:, 0].view(5, 2, 2, 64).flip(2).reshape(5, 4, 64)
+    assert (stored[:, 1] - grid_mirrored).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("dtype", FEATURE_DTYPES)
+def test_stored_features_give_the_on_the_fly_losses_and_gradients(aligned_latents, dtype):
+    """The objective on latents with their stored features (the encoder never runs) against the same latents with
+    their images through the encoder: the same per-sample losses (B, K) and alignment losses, and the same gradient
+    for every parameter, the projector's included; under dp.augmult's K = 2 draws, the second micro-batch of two, with
+    flipped views in the batch. Tolerances by the stored dtype's unit roundoff u (0 for float32, 2^-11 float16, 2^-8
+    bfloat16): the cosine of a token moves by at most 2u, so each alignment loss by 2u (+ 1e-5 of float noise); each
+    gradient by 4u of its norm (its alignment share moves by 2u / sin(projection, feature), near 1 here)."""
+    from torch.utils.data import default_collate
+
+    from torchtitan.datasets.latents import LatentShardDataset
+    from torchtitan.datasets.prefetch import batch_to_device
+    from torchtitan.diffusion.objective import DiffusionObjective
+    from torchtitan.job_config import Diffusion
+    from torchtitan.models.dit import DiT, dit_configs
+    from torchtitan.train_spec import BatchLayout
+
+    cpu = torch.device("cpu")
+    args = replace(dit_configs["debug"], in_channels=4, input_size=4, num_classes=2, align_depth=2, align_dims=(64,),
+                   align_projector_dim=16)  # fmt: skip
+    torch.manual_seed(0)
+    model = DiT(args)
+    model.init_weights()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))  # zero-inits broken: nothing hides behind a zero
+    encoder = FrozenEncoder(*read_dinov2(aligned_latents["encoder"], 2))
+    layout = BatchLayout(0, 1, 2, 2, 0, cpu)  # 2 micro-batches of accumulation, K = 2 draws a sample
+    results = []
+    for stored, alignment in (
+        (False, RepresentationAlignment(encoder, 0.5)),
+        (True, RepresentationAlignment(None, 0.5)),
+    ):
+        dataset = LatentShardDataset(aligned_latents[dtype], images=not stored, features=stored)
+        torch.manual_seed(3)  # the same views for both
+        x, y = batch_to_device(default_collate([dataset[i] for i in range(6)]), cpu)
+        objective = DiffusionObjective(Diffusion(objective="rectified_flow", prediction="velocity"), args, layout,
+                                       alignment)  # fmt: skip
+        model.zero_grad()
+        losses = objective.losses(model, x, y, step=0, micro=1)
+        losses.sum().backward()
+        results.append((losses.detach(), objective.take_alignment(), {n: p.grad.clone() for n, p in
+                                                                      model.named_parameters()}))  # fmt: skip
+    (losses, alignment, grads), (stored_losses, stored_alignment, stored_grads) = results
+    u = FEATURE_DTYPES[dtype]
+    assert losses.shape == (6, 2) and alignment.shape == (12,)
+    torch.testing.assert_close(stored_alignment, alignment, rtol=0, atol=2 * u + 1e-5)
+    torch.testing.assert_close(stored_losses, losses, rtol=0, atol=0.5 * 2 * u + 1e-5)  # coefficient 0.5
+    for name, grad in grads.items():
+        assert grad.norm() > 0, name
+        assert (stored_grads[name] - grad).norm() <= (4 * u + 1e-5) * grad.norm(), name
+
+
+def test_stored_features_are_read_and_the_encoder_never_built(aligned_latents, monkeypatch):
+    """alignment.features 'auto' on latents prepared with features: the loader hands them on (float16, as stored),
+    the objective aligns to them with no encoder (building one fails here), and the FLOPs count no encoder forward.
+    'encoder' builds it and feeds it the stored images; the dummy data with 'stored' makes random features."""
+    import torchtitan.alignment.encoder as encoder_module
+    from torchtitan.config_manager import parse_args
+    from torchtitan.datasets.prefetch import LatentsAndFeatures, LatentsAndImages, batch_to_device
+    from torchtitan.models.dit import DiT, flops_per_image
+    from torchtitan.train_spec import BatchLayout, build_model_args, get_train_spec
+
+    spec, layout = get_train_spec("dit"), BatchLayout(0, 1, 1, 1, 0, torch.device("cpu"))
+
+    def build(*extra: str):
+        cfg = parse_args(_aligning_args(aligned_latents, "float16", *extra))
+        args = build_model_args(spec, cfg)
+        loader = spec.build_dataloader_fn(cfg, args, 0, 1, 0, "train")
+        return cfg, args, spec.build_objective_fn(cfg, args, layout), next(loader)
+
+    cfg, args, objective, (x, y) = build("--alignment.features", "encoder")
+    assert isinstance(objective.alignment.encoder, FrozenEncoder) and isinstance(x, LatentsAndImages)
+    encoder_flops = read_dinov2(aligned_latents["encoder"], 2)[0].forward_flops()
+    assert spec.flops_per_sample_fn(args, cfg) == flops_per_image(args) + encoder_flops
+
+    def refused(*_args, **_kwargs):
+        raise AssertionError("the encoder was built")
+
+    monkeypatch.setattr(encoder_module, "build_encoder", refused)
+    monkeypatch.setattr(FrozenEncoder, "forward", refused)
+    cfg, args, objective, (x, y) = build()  # alignment.features = "auto"
+    assert objective.alignment.encoder is None and cfg.alignment.features == "auto"
+    assert isinstance(x, LatentsAndFeatures) and x.features.dtype == torch.float16 and x.features.shape == (2, 4, 64)
+    assert spec.flops_per_sample_fn(args, cfg) == flops_per_image(args)
+    model = DiT(args)
+    model.init_weights()
+    objective.losses(model, *batch_to_device((x, y), torch.device("cpu")), step=0, micro=0).sum().backward()
+    assert objective.take_alignment().shape == (2,) and model.projectors[0][4].weight.grad.abs().max() > 0
+    cfg, args, objective, (x, y) = build("--training.dataset", "dummy", "--alignment.features", "stored")
+    assert objective.alignment.encoder is None and x.features.dtype == torch.float16 and x.features.shape == (2, 4, 64)
+
+
+def test_features_of_another_encoder_or_grid_are_refused(aligned_latents, tmp_path, capsys):
+    """Stored features that are not what the run's encoder computes at its DiT's token grid are refused at the config,
+    one `error:` line naming the key at fault and the meta.json; so is 'stored' without features, and a resumed
+    preparation with another encoder. The same weights under another file name are the same encoder."""
+    import shutil
+
+    import train
+    from tests.test_latents import prepare_folder
+    from torchtitan.config_manager import ConfigError, parse_args
+
+    meta = aligned_latents["float16"] / "meta.json"
+    other = write_tiny_dinov2(tmp_path / "dinov2_other.pth", grid=37, seed=1)
+    for extra, message in (
+        (["--alignment.encoder_path", str(other)],
+         rf"alignment.encoder_path = '{other}' in the command line: {meta} holds encoder features this run cannot "
+         r"align to: they are the features of 'dinov2_vits14_pretrain.pth' \(DINOv2 64 wide, 1 blocks, sha256 .*\), "
+         rf"this run's encoder '{other}' has sha256 .*--store-features {other} --features-patch-size 2; or set "
+         r"alignment.features = 'encoder' to encode its stored images"),
+        (["--model.patch_size", "1"], rf"model.patch_size = 1 in the command line: {meta} .*: they are 2 x 2 tokens "
+         r"\(28 px into the encoder\), this run's DiT has 4 x 4"),
+    ):  # fmt: skip
+        with pytest.raises(ConfigError, match=message):
+            parse_args(_aligning_args(aligned_latents, "float16", *extra))
+    assert train.main(_aligning_args(aligned_latents, "float16", "--alignment.encoder_path", str(other))) == 2
+    err = capsys.readouterr().err
+    assert err.count("error: ") == 1 and "error: alignment.encoder_path" in err and "Traceback" not in err
+    assert parse_args(_aligning_args(aligned_latents, "float16", "--alignment.features", "encoder",
+                                     "--alignment.encoder_path", str(other)))  # fmt: skip
+    renamed = shutil.copy(aligned_latents["encoder"], tmp_path / "renamed.pth")
+    assert parse_args(_aligning_args(aligned_latents, "float16", "--alignment.encoder_path", str(renamed)))
+    with pytest.raises(ConfigError, match=rf"alignment.features = 'stored' in the command line: "
+                       rf"{aligned_latents['images'] / 'meta.json'} records no encoder features"):  # fmt: skip
+        parse_args(_aligning_args(aligned_latents, "images", "--alignment.features", "stored"))
+    with pytest.raises(ConfigError, match=r"alignment.features with training.dataset in the command line: features"):
+        parse_args(_aligning_args(aligned_latents, "images", "--alignment.features", "stored", "--training.dataset",
+                                  "digits", "--model.in_channels", "1"))  # fmt: skip
+    images = aligned_latents["float16"].parent / "images"
+    with pytest.raises(ValueError, match=r"shard-00000.safetensors holds \{.*dinov2_vits14_pretrain.pth.*\}, this "
+                       r"run stores \{.*dinov2_other.pth.*\} \(--store-features"):  # fmt: skip
+        prepare_folder(images, aligned_latents["tok"], aligned_latents["float16"], store_images=True,
+                       store_features=str(other))  # fmt: skip

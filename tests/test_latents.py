@@ -60,11 +60,17 @@ def torchrun_prepare(args: list[str], nproc: int = 2) -> subprocess.CompletedPro
 
 
 def test_interrupted_preparation_resumes_then_trains_and_decodes(tmp_path, capsys):
+    """Prepared with the alignment encoder's features too (--store-features), which the resume checks and the
+    2-process run aligns to without building the encoder."""
+    from tests.test_alignment import write_tiny_dinov2
+
     images = make_image_folder(tmp_path / "images")
     make_jit_tokenizer(tmp_path / "tok")
+    encoder = write_tiny_dinov2(tmp_path / "dinov2_vits14_pretrain.pth", grid=37)
     out = tmp_path / "prepared"
     args = ["--source", str(images), "--image-size", "16", "--checkpoint-dir", str(tmp_path / "tok"),
-            "--out", str(out), "--shard-size", "3", "--batch-size", "2", "--num-workers", "0"]  # fmt: skip
+            "--out", str(out), "--shard-size", "3", "--batch-size", "2", "--num-workers", "0", "--store-features",
+            str(encoder), "--features-dtype", "bfloat16"]  # fmt: skip
     # 12 images in 4 shards over 2 ranks (rank r encodes shards r, r + 2); stop after 1 shard per rank.
     first = torchrun_prepare([*args, "--max-shards", "1"])
     done = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.glob("shard-*.safetensors")}
@@ -87,15 +93,21 @@ def test_interrupted_preparation_resumes_then_trains_and_decodes(tmp_path, capsy
         x = images_to_float(source.load(i))[None]  # the folder's uint8 as the tokenizer takes it, [-1, 1]
         expected = torch.cat([tokenizer.encode(x), tokenizer.encode(x.flip(-1))])
         torch.testing.assert_close(dataset.raw(i).float(), expected, atol=2e-3, rtol=2e-3)  # float16 storage
+    assert read_meta(out)["features"]["dtype"] == "bfloat16"
+    assert LatentShardDataset(out, features=True)[11][0].features.shape == (4, 64)  # 2 x 2 tokens at patch 2
 
     run = tmp_path / "run"
-    run_train([*TINY, "--job.dump_folder", str(run), "--training.steps", "2", "--training.local_batch_size", "2",
-               "--training.dataset", "latents", "--training.dataset_path", str(out), "--model.in_channels", "16",
-               "--model.input_size", "4", "--model.num_classes", "3", "--latent.tokenizer", "cosmos_jit",
-               "--latent.checkpoint_dir", str(tmp_path / "tok"), "--sampling.freq", "2",
-               "--sampling.num_samples", "3", "--sampling.steps", "2", "--checkpoint.enable", "true"],
-              nproc=2)  # fmt: skip
+    result = run_train([*TINY, "--job.dump_folder", str(run), "--training.steps", "2", "--training.local_batch_size",
+                        "2", "--training.dataset", "latents", "--training.dataset_path", str(out),
+                        "--model.in_channels", "16", "--model.input_size", "4", "--model.num_classes", "3",
+                        "--latent.tokenizer", "cosmos_jit", "--latent.checkpoint_dir", str(tmp_path / "tok"),
+                        "--sampling.freq", "2", "--sampling.num_samples", "3", "--sampling.steps", "2",
+                        "--checkpoint.enable", "true", "--alignment.enable", "true", "--alignment.encoder_path",
+                        str(encoder), "--alignment.depth", "2", "--alignment.projector_dim", "16"],
+                       nproc=2)  # fmt: skip
     assert [m["step"] for m in read_metrics(run)] == [1, 2]
+    assert all(-1 <= m["loss/alignment"] <= 1 for m in read_metrics(run))
+    assert "(prepare.py --store-features) replace running" in result.stderr and "which is not built" in result.stderr
     grid = Image.open(run / "samples" / "step-2.png")
     assert grid.mode == "RGB" and grid.size == (2 + 3 * 66, 2 + 66)  # 3 decoded 16 px images, enlarged to 64
     # sample.py decodes a latent run's samples through the same tokenizer.
@@ -296,6 +308,11 @@ def test_prepare_script_errors_are_one_line_naming_the_fault(tmp_path, capsys):
          "downsample 4; encoder float32): use 16 or 20"),
         (["--checkpoint-dir", str(tmp_path / "tok"), "--batch-size", "0"], "--batch-size 0: must be > 0"),
         (["--checkpoint-dir", str(tmp_path / "tok"), "--shard-size", "-1"], "--shard-size -1: must be > 0"),
+        (["--checkpoint-dir", str(tmp_path / "tok"), "--store-features", str(tmp_path / "dinov2.pth")],
+         f"--store-features {tmp_path / 'dinov2.pth'}: {tmp_path / 'dinov2.pth'} does not exist"),
+        (["--checkpoint-dir", str(tmp_path / "tok"), "--store-features", str(tmp_path / "dinov2.pth"),
+          "--features-patch-size", "3"], "--features-patch-size 3: the latents are 4 x 4 (--image-size 16 / downsample "
+         "4); a DiT's patch size divides their side"),
     ):  # fmt: skip
         assert script.main([*args, *flags]) == 2
         err = capsys.readouterr().err

@@ -39,6 +39,7 @@ _CHOICES = {
     "diffusion.timestep_sampling": ("uniform", "logit_normal"),
     "diffusion.noise_schedule": ("linear", "cosine"),
     "alignment.encoder": ("dinov2",),
+    "alignment.features": ("auto", "stored", "encoder"),
     "diffusion.time_input": ("1000t", "t", "1-t"),
     "optimizer.name": ("AdamW", "SGD"),
     "optimizer.implementation": ("fused", "foreach", "for-loop"),
@@ -345,6 +346,10 @@ def _check_alignment(cfg, errors: list[str]) -> None:
         return
     if cfg.model.name != "dit":
         errors.append(f"{keys_in(cfg, 'alignment.enable', 'model.name')}: representation alignment trains DiTs")
+    if cfg.alignment.features == "stored" and cfg.training.dataset not in ("latents", "dummy"):
+        errors.append(f"{keys_in(cfg, 'alignment.features', 'training.dataset')}: features are stored with prepared "
+                      "latents (prepare.py --store-features); training.dataset 'latents' reads them ('dummy' makes "
+                      "random ones)")  # fmt: skip
 
 
 def _check_flow_keys(cfg, errors: list[str]) -> None:

@@ -40,7 +40,8 @@ class Alignment:
     enable: bool = False
     """Representation alignment (REPA): the DiT's tokens after block `depth`, through a projector, are pulled
     towards a frozen encoder's features of the clean image; coefficient x the loss is added to each sample's loss
-    and logged as loss/alignment. Pixel datasets only for now (a latent run has no clean image)."""
+    and logged as loss/alignment. A latent run needs its latents prepared with their images (--store-images) or the
+    encoder's features (--store-features; see `features`)."""
     encoder: str = "dinov2"
     """The frozen encoder: 'dinov2' (ViT-S/B/L/g-14, with or without registers; REPA's default is ViT-B/14)."""
     encoder_path: str = ""
@@ -55,6 +56,11 @@ class Alignment:
     stop_step: int = 0
     """Align during the first stop_step optimizer steps only (HASTE); 0: throughout. After it the encoder no
     longer runs; the projector still does, weighted 0 (about 2% of SiT-XL/2's FLOPs)."""
+    features: str = "auto"
+    """Where the encoder's features come from: 'auto' (the ones stored with the latents by prepare.py
+    --store-features when training.dataset_path holds them, else the encoder run on the images), 'stored' (those;
+    the encoder is never built: for small DiTs, where its forward costs more than the DiT's step) or 'encoder' (run on
+    the images even where features are stored). Stored features of another encoder or token grid are refused."""
 
 
 @dataclass

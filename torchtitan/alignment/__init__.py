@@ -2,8 +2,9 @@
 
 The DiT's tokens after block `alignment.depth`, through a small projector per encoder (part of the model:
 DiT.projectors), are pulled towards a frozen encoder's features of the clean image by a negative cosine similarity
-per token. Here: the encoder (encoder.py, DINOv2 in vit.py, its weights in dinov2_weights.py), the per-sample loss,
-and `RepresentationAlignment`, which the diffusion objective (torchtitan/diffusion/objective.py) holds.
+per token. Here: the encoder (encoder.py, DINOv2 in vit.py, its weights in dinov2_weights.py), the record of its
+features stored with prepared latents in its place (features.py), the per-sample loss, and `RepresentationAlignment`,
+which the diffusion objective (torchtitan/diffusion/objective.py) holds.
 """
 
 import torch
@@ -32,7 +33,8 @@ class RepresentationAlignment:
     """The `[alignment]` section at work: the frozen encoder, the coefficient, and when it stops (HASTE).
 
     Args:
-        encoder: images in [-1, 1] (B, C, H, W) -> features (B, T, D), frozen (None: targets are handed in).
+        encoder: images in [-1, 1] (B, C, H, W) -> features (B, T, D), frozen (None: the batches hold the features,
+            stored by prepare.py --store-features, or targets are handed in).
         coefficient: the weight of the alignment loss in each sample's loss (REPA's proj_coeff).
         stop_step: align during the first stop_step optimizer steps only (HASTE); 0: throughout.
     """
@@ -44,8 +46,12 @@ class RepresentationAlignment:
         """Whether the optimizer step that `step` steps are done before aligns."""
         return self.stop_step == 0 or step < self.stop_step
 
-    def targets(self, images: torch.Tensor) -> list[torch.Tensor]:
-        """The encoder's features of the clean images, one (B, T, D) tensor per encoder, without grad."""
+    def targets(self, images: torch.Tensor | None, features: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """The encoder's features of the clean images, one (B, T, D) tensor per encoder, without grad: `features`
+        when the batch holds them (stored by prepare.py --store-features; the encoder is not run, nor built), else the
+        encoder's on `images`."""
+        if features is not None:
+            return [features]
         return [self.encoder(images)]
 
     def losses(self, projected: list[torch.Tensor], targets: list[torch.Tensor] | None):
@@ -72,12 +78,20 @@ def encoder_architecture(alignment_config, grid: int):
     return dinov2_architecture(alignment_config.encoder_path, grid)
 
 
-def build_alignment(job_config, model_args, device: torch.device) -> RepresentationAlignment:
+def build_alignment(job_config, model_args, device: torch.device, stored: bool = False) -> RepresentationAlignment:
     """The run's alignment: its encoder on `device` at the DiT's token grid, bf16 on a bf16 CUDA run, compiled when
-    the model is."""
+    the model is; none at all when the batches hold its `stored` features."""
     from torchtitan.alignment.encoder import build_encoder
 
     cfg = job_config.alignment
+    if stored:
+        from torchtitan.tools.logging import logger
+
+        training = job_config.training
+        source = repr(training.dataset_path) if training.dataset == "latents" else f"the {training.dataset} data"
+        logger.info(f"alignment: the encoder's features stored with {source} (prepare.py --store-features) replace "
+                    f"running {cfg.encoder_path!r}, which is not built")  # fmt: skip
+        return RepresentationAlignment(None, cfg.coefficient, cfg.stop_step)
     bf16 = device.type == "cuda" and job_config.training.mixed_precision_param == "bfloat16"
     compiled = job_config.compile.enable and "model" in job_config.compile.components
     grid = model_args.input_size // model_args.patch_size

@@ -7,7 +7,8 @@ from torchtitan.datasets.loader import DiffusionDataLoader, PoissonDataLoader
 __all__ = ["DiffusionDataLoader", "PoissonDataLoader", "build_dataloader", "build_dataset", "build_text_dataloader"]
 
 
-def build_dataset(training_config, model_args, latent_config=None, images: bool = False) -> Dataset:
+def build_dataset(training_config, model_args, latent_config=None, images: bool = False,
+                  features: tuple[int, int] | None = None) -> Dataset:  # fmt: skip
     """The dataset named by `training.dataset`, checked against the model's input shape.
 
     Args:
@@ -18,6 +19,9 @@ def build_dataset(training_config, model_args, latent_config=None, images: bool 
             encoded with.
         images: a latent dataset's inputs carry the images too (prefetch.LatentsAndImages), for representation
             alignment's encoder: the prepared ones ('latents'), or random ones 8x the latents' size ('dummy').
+        features: (T, D): a latent dataset's inputs carry that encoder's features of the images instead
+            (prefetch.LatentsAndFeatures): the stored ones ('latents', prepared with --store-features), or random
+            ones of that shape ('dummy').
 
     Raises:
         FileNotFoundError: the dataset path is missing or empty (the message names it).
@@ -33,7 +37,8 @@ def build_dataset(training_config, model_args, latent_config=None, images: bool 
     elif name == "dummy":
         from torchtitan.datasets.dummy import DummyDataset
 
-        dataset = DummyDataset(model_args.in_channels, size, model_args.num_classes, images=images)
+        dataset = DummyDataset(model_args.in_channels, size, model_args.num_classes, images=images,
+                               features=features)  # fmt: skip
     elif name == "imagefolder":
         from torchtitan.datasets.imagefolder import ImageFolderDataset
 
@@ -52,7 +57,8 @@ def build_dataset(training_config, model_args, latent_config=None, images: bool 
 
         latent_config = latent_config or Latent()
         dataset = LatentShardDataset(training_config.dataset_path, scale_factor=latent_config.scale_factor,
-                                     stats_file=latent_config.stats_file, images=images)  # fmt: skip
+                                     stats_file=latent_config.stats_file, images=images,
+                                     features=features is not None)  # fmt: skip
         if latent_config.tokenizer:  # without one the latents train as they are (no decoding)
             check_tokenizer_matches(dataset.meta, latent_config, source=dataset.root)
     else:
@@ -79,13 +85,13 @@ def _check_matches_model(name: str, dataset: Dataset, model_args) -> None:
 
 
 def build_dataloader(training_config, model_args, dp_rank: int, dp_world: int, seed: int, poisson_steps: int = 0,
-                     latent_config=None, images: bool = False):  # fmt: skip
+                     latent_config=None, images: bool = False, features: tuple[int, int] | None = None):  # fmt: skip
     """Shuffled fixed-size batches, or with poisson_steps > 0 Poisson-sampled ones (DP-SGD).
 
-    `latent_config` is the `[latent]` section and `images` says a latent dataset carries its images, passed to
-    `build_dataset`.
+    `latent_config` is the `[latent]` section, `images` says a latent dataset carries its images and `features` the
+    shape of its stored encoder features, passed to `build_dataset`.
     """
-    dataset = build_dataset(training_config, model_args, latent_config, images)
+    dataset = build_dataset(training_config, model_args, latent_config, images, features)
     return _loader(dataset, training_config, dp_rank, dp_world, seed, poisson_steps)
 
 

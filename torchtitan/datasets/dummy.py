@@ -8,7 +8,7 @@ or a host-to-device copy, whatever `training.dataloader.num_workers` says.
 import torch
 from torch.utils.data import Dataset
 
-from torchtitan.datasets.prefetch import LatentsAndImages
+from torchtitan.datasets.prefetch import LatentsAndFeatures, LatentsAndImages
 
 
 class DummyDataset(Dataset):
@@ -17,21 +17,26 @@ class DummyDataset(Dataset):
     Three channels are RGB pixels: uint8 in [0, 255], as an image folder's travel (the device maps them to
     [-1, 1]); any other number of channels are latents: Gaussian float32. With `images`, latents come with uint8
     RGB images 8x their size (SD-VAE's downsample), as prepared latents with --store-images do, for an alignment
-    encoder to see (prefetch.LatentsAndImages).
+    encoder to see (prefetch.LatentsAndImages); with `features` (T, D), float16 Gaussian features in their place, as
+    latents prepared with --store-features hold (prefetch.LatentsAndFeatures).
     """
 
     def __init__(self, channels: int, image_size: int, num_classes: int, length: int = 1 << 20, pool: int = 256,
-                 images: bool = False):  # fmt: skip
+                 images: bool = False, features: tuple[int, int] | None = None):  # fmt: skip
         generator = torch.Generator().manual_seed(0)
         shape = (pool, channels, image_size, image_size)
         if channels == 3:
             self.images = torch.randint(0, 256, shape, generator=generator, dtype=torch.uint8)
         else:
             self.images = torch.randn(shape, generator=generator)
-        self.pixels = None  # the images latents stand for
-        if images and channels != 3:
+        self.clean = None  # what an alignment sees of the images latents stand for: the pixels, or their features
+        self.with_clean = LatentsAndImages
+        if features is not None and channels != 3:
+            self.clean = torch.randn((pool, *features), generator=generator).to(torch.float16)
+            self.with_clean = LatentsAndFeatures
+        elif images and channels != 3:
             pixel_shape = (pool, 3, 8 * image_size, 8 * image_size)
-            self.pixels = torch.randint(0, 256, pixel_shape, generator=generator, dtype=torch.uint8)
+            self.clean = torch.randint(0, 256, pixel_shape, generator=generator, dtype=torch.uint8)
         self.labels = torch.randint(0, max(num_classes, 1), (pool,), generator=generator)
         self.length = length
         self.num_classes = num_classes
@@ -41,7 +46,7 @@ class DummyDataset(Dataset):
 
     def __getitem__(self, index: int):
         slot = index % len(self.images)
-        x = self.images[slot] if self.pixels is None else LatentsAndImages(self.images[slot], self.pixels[slot])
+        x = self.images[slot] if self.clean is None else self.with_clean(self.images[slot], self.clean[slot])
         return x, self.labels[index % len(self.labels)]
 
     def gather(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,8 +54,8 @@ class DummyDataset(Dataset):
         one gather each, on the device the pool lives on."""
         slots = (indices % len(self.images)).to(self.images.device, non_blocking=True)
         x = self.images.index_select(0, slots)
-        if self.pixels is not None:
-            x = LatentsAndImages(x, self.pixels.index_select(0, slots))
+        if self.clean is not None:
+            x = self.with_clean(x, self.clean.index_select(0, slots))
         return x, self.labels.index_select(0, slots)
 
     def move_pool(self, device: torch.device) -> None:
@@ -58,4 +63,4 @@ class DummyDataset(Dataset):
         `gather` then builds each batch. Only for loaders that gather in this process: a forked loader worker
         cannot touch CUDA memory."""
         self.images, self.labels = self.images.to(device), self.labels.to(device)
-        self.pixels = self.pixels.to(device) if self.pixels is not None else None
+        self.clean = self.clean.to(device) if self.clean is not None else None

@@ -8,6 +8,9 @@ A prepared folder holds `meta.json` (tokenizer, sizes, classes and the latent no
 - `labels`: (N,) int64 class indices; `indices`: (N,) positions in the source dataset;
 - `images` (prepared with --store-images): (N, 3, H, W) uint8, the images as the tokenizer saw them, unflipped, for
   representation alignment's encoder (192 KiB an image at 256 px: 12x SD-VAE's flipped float16 latents);
+- `features` (prepared with --store-features): (N, V, T, D) float16 unless prepared otherwise, the alignment
+  encoder's features of each view (torchtitan/alignment/features.py), read in training instead of running it; what
+  they are (encoder hash, token grid, dtypes) is meta.json's and each shard's "features" record;
 - `stats_count`, `stats_mean`, `stats_m2`: per-channel moments of its latents (float64), so the dataset's
   mean/std come from the shards without reading them twice, and a resumed preparation stays exact;
 
@@ -41,7 +44,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from torchtitan.datasets.prefetch import LatentsAndImages
+from torchtitan.datasets.prefetch import LatentsAndFeatures, LatentsAndImages
 from torchtitan.tools.logging import logger
 
 META_FILE = "meta.json"
@@ -53,6 +56,14 @@ FORMAT_1 = "torchditan-latents/1"
 TOKENIZER_METADATA = {"kind": "tokenizer_kind", "name": "tokenizer_name", "latent_channels": "latent_channels",
                       "downsample": "downsample", "encoder_sha256": "encoder_sha256",
                       "decoder_sha256": "decoder_sha256"}  # fmt: skip
+
+
+FEATURES_METADATA = "features"  # a shard's record of the encoder features it holds (JSON; '' for none)
+
+
+def features_metadata(record: dict | None) -> str:
+    """A shard's FEATURES_METADATA value for the record of its features (meta.json's "features"), '' for none."""
+    return json.dumps(record, sort_keys=True) if record else ""
 
 
 def shard_name(index: int) -> str:
@@ -433,18 +444,23 @@ class LatentShardDataset(Dataset):
             (latent.stats_file).
         images: the input is LatentsAndImages(latent, the uint8 image it encodes, flipped with it): what a
             representation alignment encoder sees; needs a folder prepared with --store-images.
+        features: the input is LatentsAndFeatures(latent, the stored encoder features of the same view, as stored):
+            what representation alignment reads instead of running its encoder; needs --store-features.
     """
 
     def __init__(self, path: str | Path, scale_factor: float = 0.0, random_flip: bool = True, stats_file: str = "",
-                 images: bool = False):  # fmt: skip
+                 images: bool = False, features: bool = False):  # fmt: skip
         self.root = Path(path)
         self.meta = read_meta(self.root)
         self.normalization = normalization_for(self.meta, scale_factor, stats_file)
         self.random_flip = random_flip
-        self.images = images
+        self.images, self.features = images, features
         if images and not self.meta.get("images"):
             raise ValueError(f"{self.root} holds no images beside its latents, which alignment.enable's encoder "
                              "needs: prepare it again with --store-images")  # fmt: skip
+        if features and not self.meta.get("features"):
+            raise ValueError(f"{self.root} holds no encoder features beside its latents: prepare it again with "
+                             "--store-features")  # fmt: skip
         self.shards = sorted(self.root.glob(SHARD_GLOB))
         self._check_shards()
         labels, sizes = [], []
@@ -471,9 +487,15 @@ class LatentShardDataset(Dataset):
             raise FileNotFoundError(f"training.dataset_path: {self.root} lacks shard(s) {missing[:5]} of "
                                     f"{len(expected)} listed in {META_FILE}; run prepare.py again")  # fmt: skip
         want = self.meta["tokenizer"]
+        features = features_metadata(self.meta.get("features")) if self.features else None
         for shard in self.shards:
             with safe_open(str(shard), "pt") as f:
-                got = file_tokenizer(f.metadata() or {}) or {}
+                metadata = f.metadata() or {}
+            if features is not None and metadata.get(FEATURES_METADATA, "") != features:
+                raise ValueError(f"latent shard {shard} holds other encoder features than {self.root / META_FILE} "
+                                 "records (shards of different preparations cannot be mixed); prepare the folder "
+                                 "again")  # fmt: skip
+            got = file_tokenizer(metadata) or {}
             if not same_tokenizer(got, want):
                 raise ValueError(
                     f"latent shard {shard} was encoded by tokenizer {describe_tokenizer(got, hashes=True)} but "
@@ -519,8 +541,11 @@ class LatentShardDataset(Dataset):
         views = self.raw(index)
         view = int(torch.randint(views.shape[0], ())) if self.random_flip and views.shape[0] > 1 else 0
         latent = self.normalization.normalize(views[view].float())
+        shard = bisect.bisect_right(self.offsets, index) - 1
+        if self.features:  # the stored features of this very view: a mirrored image's are its own
+            features = self._handle(shard).get_slice("features")[index - self.offsets[shard], view]  # (T, D)
+            return LatentsAndFeatures(latent, features), self.labels[index]
         if not self.images:
             return latent, self.labels[index]
-        shard = bisect.bisect_right(self.offsets, index) - 1
         image = self._handle(shard).get_slice("images")[index - self.offsets[shard]]  # (3, H, W) uint8
         return LatentsAndImages(latent, image.flip(-1) if view == 1 else image), self.labels[index]

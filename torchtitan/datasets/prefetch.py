@@ -2,7 +2,8 @@
 
 Pixels travel as uint8 (a quarter of float32's bytes through the loader's workers, pinned memory and PCIe) and
 become [-1, 1] floats on the device; everything else travels as the dataset gives it. A batch is a tuple of tensors
-or of tensor tuples (`LatentsAndImages`: latents with the clean images an alignment encoder sees).
+or of tensor tuples (`LatentsAndImages`: latents with the clean images an alignment encoder sees;
+`LatentsAndFeatures`: latents with that encoder's stored features).
 """
 
 import copy
@@ -18,6 +19,15 @@ class LatentsAndImages(NamedTuple):
 
     latents: torch.Tensor
     images: torch.Tensor
+
+
+class LatentsAndFeatures(NamedTuple):
+    """A latent dataset's input with the alignment encoder's features of the image it encodes (T, D), stored by
+    prepare.py --store-features: what representation alignment compares with in place of running the encoder. The
+    features travel in their stored dtype (half float32's bytes); the alignment loss computes in float32."""
+
+    latents: torch.Tensor
+    features: torch.Tensor
 
 
 def images_to_float(x: torch.Tensor) -> torch.Tensor:

@@ -26,11 +26,13 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from torchtitan.datasets.latents import (
+    FEATURES_METADATA,
     FORMAT,
     META_FILE,
     LatentNormalization,
     combine_moments,
     describe_tokenizer,
+    features_metadata,
     file_tokenizer,
     latent_file_metadata,
     moments_std,
@@ -60,6 +62,16 @@ def add_prepare_args(parser: argparse.ArgumentParser, default_out: str) -> None:
     parser.add_argument("--store-images", action="store_true",
                         help="keep each image (uint8) beside its latents, for [alignment]'s encoder on latent runs "
                              "(3 H W bytes an image: 192 KiB at 256 px)")  # fmt: skip
+    parser.add_argument("--store-features", default="", metavar="ENCODER",
+                        help="run [alignment]'s frozen encoder (a DINOv2 .pth or Hugging Face folder, as "
+                             "alignment.encoder_path) over each image and its mirror, and keep its features beside the "
+                             "latents: training reads them instead of running the encoder (T D bytes a view at "
+                             "float16 x 2: 384 KiB for DINOv2-B at 16 x 16 tokens)")  # fmt: skip
+    parser.add_argument("--features-patch-size", type=int, default=2,
+                        help="patch size of the DiT that aligns to the features (SiT-XL/2: 2): one feature per DiT "
+                             "token, (latent side / patch size)^2 of them")  # fmt: skip
+    parser.add_argument("--features-dtype", default="float16", choices=tuple(STORAGE_DTYPES),
+                        help="storage dtype of --store-features")  # fmt: skip
     parser.add_argument("--max-shards", type=int, default=0,
                         help="stop after encoding this many shards on each rank (0: all); rerun to resume")  # fmt: skip
 
@@ -79,11 +91,13 @@ def init_distributed() -> tuple[int, int, torch.device]:
 
 
 def _shard_metadata(record: dict, index: int, num_shards: int, shard_size: int, image_size: int, flip: bool,
-                    images: bool = False) -> dict:  # fmt: skip
-    """A shard's metadata: raw latents of the tokenizer `record` (`tokenizer_record`), and the shard's layout."""
+                    images: bool = False, features: dict | None = None) -> dict:  # fmt: skip
+    """A shard's metadata: raw latents of the tokenizer `record` (`tokenizer_record`), the shard's layout, and the
+    record of the encoder's features it holds (`features_record`; '' for none)."""
     layout = {"image_size": image_size, "shard_index": index, "num_shards": num_shards, "shard_size": shard_size,
               "flip": flip, "images": images}  # fmt: skip
-    return latent_file_metadata(LatentNormalization("none"), record) | {k: str(v) for k, v in layout.items()}
+    return (latent_file_metadata(LatentNormalization("none"), record) | {k: str(v) for k, v in layout.items()}
+            | {FEATURES_METADATA: features_metadata(features)})  # fmt: skip
 
 
 def _check_existing(path: Path, expected: dict) -> None:
@@ -105,6 +119,11 @@ def _check_existing(path: Path, expected: dict) -> None:
         if found.get(key, "False") != expected[key]:  # shards of before --store-images hold none
             raise ValueError(f"{path} has {key} = {found.get(key)} but this run uses {expected[key]}: "
                              "use another --out folder or the same options")  # fmt: skip
+    if found.get(FEATURES_METADATA, "") != expected[FEATURES_METADATA]:
+        theirs = found.get(FEATURES_METADATA) or "no features"
+        raise ValueError(f"{path} holds {theirs}, this run stores {expected[FEATURES_METADATA] or 'none'} "
+                         "(--store-features, --features-patch-size, --features-dtype): use another --out folder or "
+                         "the same options")  # fmt: skip
 
 
 def channel_moments(z: torch.Tensor) -> tuple[float, torch.Tensor, torch.Tensor]:
@@ -116,14 +135,18 @@ def channel_moments(z: torch.Tensor) -> tuple[float, torch.Tensor, torch.Tensor]
 
 @torch.no_grad()
 def encode_shard(tokenizer, images: Dataset, batch_size: int, num_workers: int, flip: bool, dtype: torch.dtype,
-                 progress=None, store_images: bool = False) -> dict[str, torch.Tensor]:  # fmt: skip
+                 progress=None, store_images: bool = False, features=None) -> dict[str, torch.Tensor]:  # fmt: skip
     """Encodes every image of `images` (and its mirror when flip) into one shard's tensors; with store_images the
-    images too, as uint8."""
+    images too, as uint8; with `features` ((FrozenEncoder, storage dtype)) the encoder's features of each view."""
     loader = DataLoader(images, batch_size=batch_size, num_workers=num_workers, shuffle=False)
-    latents, labels, moments, pixels = [], [], [], []
+    latents, labels, moments, pixels, feats = [], [], [], [], []
     for x, y in loader:
-        if store_images:  # as the tokenizer sees them: a float source's [-1, 1] back to 0..255
-            pixels.append(x if x.dtype == torch.uint8 else ((x + 1) * 127.5).round().clamp(0, 255).to(torch.uint8))
+        # As the tokenizer sees them: a float source's [-1, 1] back to 0..255.
+        uint8 = x if x.dtype == torch.uint8 else ((x + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
+        if store_images:
+            pixels.append(uint8)
+        if features is not None:  # from the uint8 image, as the encoder sees a stored one on the fly
+            feats.append(encode_views(*features, uint8, flip))
         x, n = images_to_float(x), x.shape[0]  # an image folder's uint8 -> [-1, 1]
         # One call for the image and its mirror: twice the batch, better use of the GPU.
         z = tokenizer.encode(torch.cat([x, x.flip(-1)]) if flip else x)  # (V*n, C, h, w)
@@ -139,12 +162,53 @@ def encode_shard(tokenizer, images: Dataset, batch_size: int, num_workers: int, 
     count, mean, m2 = combine_moments(moments)
     return {
         **({"images": torch.cat(pixels).contiguous()} if store_images else {}),
+        **({"features": torch.cat(feats).contiguous()} if features is not None else {}),
         "latents": torch.cat(latents).contiguous(),
         "labels": torch.cat(labels),
         "stats_count": torch.tensor(count, dtype=torch.float64),
         "stats_mean": mean,
         "stats_m2": m2,
     }
+
+
+def encode_views(encoder, dtype: torch.dtype, pixels: torch.Tensor, flip: bool) -> torch.Tensor:
+    """The encoder's features of uint8 images (n, 3, H, W) and, with flip, of their mirrors, in one call: (n, V, T, D)
+    in `dtype` on the CPU. The images go to [-1, 1] as the device takes a stored one (`images_to_float`), so these
+    are the features the encoder computes on the fly from the image --store-images keeps.
+
+    Raises:
+        ValueError: a feature overflows `dtype`, naming --features-dtype.
+    """
+    x = images_to_float(pixels.to(encoder.mean.device))
+    z = encoder(torch.cat([x, x.flip(-1)]) if flip else x)  # (V n, T, D) float32
+    z = z.view(-1, pixels.shape[0], *z.shape[1:]).transpose(0, 1)  # (n, V, T, D)
+    stored = z.to(dtype)
+    if not torch.isfinite(stored).all():
+        raise ValueError(f"features overflow {dtype} (max |z| = {z.abs().max():.3g}): use --features-dtype float32")
+    return stored.cpu()
+
+
+def feature_encoder(encoder_path: str, tokenizer, image_size: int, patch_size: int):
+    """--store-features' encoder on the tokenizer's device, at the token grid of a DiT of `patch_size` on these
+    latents; bf16 on CUDA, as a bf16 run's encoder computes.
+
+    Raises:
+        FileNotFoundError, ValueError: the encoder's file is missing or not DINOv2 weights, or the latent side is
+            not a multiple of --features-patch-size (each names the flag).
+    """
+    from torchtitan.alignment.encoder import build_encoder
+    from torchtitan.job_config import Alignment
+
+    latent = image_size // tokenizer.downsample
+    if patch_size <= 0 or latent % patch_size:
+        raise ValueError(f"--features-patch-size {patch_size}: the latents are {latent} x {latent} "
+                         f"(--image-size {image_size} / downsample {tokenizer.downsample}); a DiT's patch size "
+                         "divides their side")  # fmt: skip
+    try:
+        return build_encoder(Alignment(encoder_path=encoder_path), latent // patch_size, tokenizer.device,
+                             bf16=tokenizer.device.type == "cuda", compile=False)  # fmt: skip
+    except (FileNotFoundError, ValueError) as e:
+        raise type(e)(f"--store-features {encoder_path}: {e}") from e
 
 
 def _write_atomic(tensors: dict, metadata: dict, path: Path) -> None:
@@ -159,8 +223,12 @@ def prepare_latents(source: Dataset, out: str | Path, tokenizer, *, image_size: 
                     classes: list[str] | None = None, shard_size: int = 4096, batch_size: int = 64,
                     num_workers: int = 0, flip: bool = True, normalization: str = "channel",
                     scale_factor: float = 0.18215, dtype: str = "float16", max_shards: int = 0, rank: int = 0,
-                    world_size: int = 1, description: str = "", store_images: bool = False) -> bool:  # fmt: skip
-    """Encodes `source` ((image (3, H, W) in [-1, 1] or uint8, label) pairs, unflipped) into shards under `out`.
+                    world_size: int = 1, description: str = "", store_images: bool = False,
+                    store_features: str = "", features_patch_size: int = 2,
+                    features_dtype: str = "float16") -> bool:  # fmt: skip
+    """Encodes `source` ((image (3, H, W) in [-1, 1] or uint8, label) pairs, unflipped) into shards under `out`;
+    with `store_images` the uint8 images too, with `store_features` (a DINOv2 file, as alignment.encoder_path) the
+    encoder's features of each view at the token grid of a DiT of `features_patch_size`, in `features_dtype`.
 
     Every shard and meta.json record the sha256 of the tokenizer's encoder and decoder in its folder
     (`tokenizer_record`): a resume refuses shards of another tokenizer, and every later decoding checks the decoder
@@ -171,6 +239,13 @@ def prepare_latents(source: Dataset, out: str | Path, tokenizer, *, image_size: 
         (stopped by max_shards, or another rank's shards are not there yet).
     """
     check_image_size(tokenizer, image_size)
+    features, record_of_features = None, None
+    if store_features:
+        from torchtitan.alignment.features import features_record
+
+        encoder = feature_encoder(store_features, tokenizer, image_size, features_patch_size)
+        features = (encoder, STORAGE_DTYPES[features_dtype])
+        record_of_features = features_record(store_features, encoder, features[1])
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     num_shards = math.ceil(len(source) / shard_size)
@@ -178,7 +253,8 @@ def prepare_latents(source: Dataset, out: str | Path, tokenizer, *, image_size: 
     mine = list(range(rank, num_shards, world_size))
     pending = []
     for index in mine:
-        metadata = _shard_metadata(record, index, num_shards, shard_size, image_size, flip, store_images)
+        metadata = _shard_metadata(record, index, num_shards, shard_size, image_size, flip, store_images,
+                                   record_of_features)  # fmt: skip
         path = out / shard_name(index)
         if path.is_file():
             _check_existing(path, metadata)
@@ -196,7 +272,7 @@ def prepare_latents(source: Dataset, out: str | Path, tokenizer, *, image_size: 
         first = index * shard_size
         subset = Subset(source, range(first, min(first + shard_size, len(source))))
         tensors = encode_shard(tokenizer, subset, batch_size, num_workers, flip, STORAGE_DTYPES[dtype], progress,
-                               store_images)  # fmt: skip
+                               store_images, features)  # fmt: skip
         tensors["indices"] = torch.arange(first, first + len(subset))
         _write_atomic(tensors, metadata, path)
         logger.info(f"encoded shard {index} ({len(subset)} images) in {time.perf_counter() - start:.1f}s: {path}")
@@ -209,6 +285,8 @@ def prepare_latents(source: Dataset, out: str | Path, tokenizer, *, image_size: 
             meta = build_meta(out, num_shards, record, image_size, num_classes, classes, flip, dtype,
                               normalization, scale_factor, description)  # fmt: skip
             meta["images"] = store_images
+            if record_of_features is not None:
+                meta["features"] = record_of_features
             if record["decoder_sha256"] is None:
                 logger.warning(f"no decoder file in the tokenizer folder {str(tokenizer.checkpoint_dir)!r}: meta.json "
                                "records no decoder hash; decoding is checked by kind, channels and downsample "
@@ -261,7 +339,7 @@ def build_meta(out: Path, num_shards: int, record: dict, image_size: int, num_cl
 
 def check_prepare_args(args: argparse.Namespace) -> None:
     """Raises ValueError naming the flag of a shared option no preparation can use (before the source is read)."""
-    for flag in ("shard_size", "batch_size"):
+    for flag in ("shard_size", "batch_size", "features_patch_size"):
         if getattr(args, flag) <= 0:
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be > 0")
     for flag in ("num_workers", "max_shards"):
@@ -310,7 +388,9 @@ def run_prepare(args: argparse.Namespace, source: Dataset, image_size: int, num_
                         classes=classes, shard_size=args.shard_size, batch_size=args.batch_size,
                         num_workers=args.num_workers, flip=not args.no_flip, normalization=args.normalization,
                         scale_factor=args.scale_factor, dtype=args.dtype, max_shards=args.max_shards, rank=rank,
-                        world_size=world, description=description, store_images=args.store_images)  # fmt: skip
+                        world_size=world, description=description, store_images=args.store_images,
+                        store_features=args.store_features, features_patch_size=args.features_patch_size,
+                        features_dtype=args.features_dtype)  # fmt: skip
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -149,15 +149,15 @@ class DiffusionObjective:
         """Per-sample losses (B,), or (B, K) with dp.augmult K: each sample's K draws in rows of one forward.
 
         x: images, or latents with the images they encode (datasets.prefetch.LatentsAndImages) for the alignment's
-        encoder on a latent run."""
-        images = x  # a pixel run's encoder sees its inputs
+        encoder on a latent run, or with that encoder's stored features of them (LatentsAndFeatures)."""
+        images, features = x, None  # a pixel run's encoder sees its inputs
         if hasattr(x, "latents"):
-            x, images = x.latents, x.images
+            x, images, features = x.latents, getattr(x, "images", None), getattr(x, "features", None)
         t, noise, drop = self.step_randomness(step, micro, x.shape[0])
         k = self.layout.augmult
         targets = None  # the encoder's features of the clean images, once per image (not per draw)
         if self.alignment is not None and self.alignment.active(step):
-            targets = [z.repeat_interleave(k, 0) if k > 1 else z for z in self.alignment.targets(images)]
+            targets = [z.repeat_interleave(k, 0) if k > 1 else z for z in self.alignment.targets(images, features)]
         if k > 1:
             x, y = x.repeat_interleave(k, 0), y.repeat_interleave(k, 0)
         if self.args.num_classes > 0:

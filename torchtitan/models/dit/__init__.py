@@ -1,6 +1,7 @@
 """DiT flavors (keys are the paper's names) and their TrainSpec registration."""
 
 from dataclasses import replace
+from pathlib import Path
 
 from torchtitan.models.dit.diffusers_adapter import read_diffusers_weights
 from torchtitan.models.dit.lightningdit_adapter import read_lightningdit_pt
@@ -98,12 +99,50 @@ def _add_alignment(args: DiTArgs, job_config) -> None:
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(f"{at(job_config, 'alignment.encoder_path')}: {e}") from e
     args.align_depth, args.align_dims, args.align_projector_dim = align.depth, (encoder.dim,), align.projector_dim
+    reads_stored_features(job_config, args)  # stored features of another encoder or grid are refused with the config
+
+
+def reads_stored_features(job_config, args: DiTArgs) -> bool:
+    """Whether an aligning run reads the encoder's features stored with its latents (prepare.py --store-features)
+    instead of running the encoder: alignment.features 'stored', or 'auto' on a prepared folder that holds them.
+
+    Raises:
+        ConfigError: the folder's features are another encoder's (alignment.encoder_path) or of another token grid
+            (model.patch_size), or 'stored' finds none (alignment.features); naming the key and the meta.json.
+    """
+    from torchtitan.alignment.features import features_mismatch
+    from torchtitan.config_validation import ConfigError, at
+    from torchtitan.datasets.latents import META_FILE, read_meta
+
+    align, training = job_config.alignment, job_config.training
+    if not args.align_depth or align.features == "encoder":
+        return False
+    meta_file = Path(training.dataset_path) / META_FILE
+    if training.dataset != "latents" or not meta_file.is_file():
+        return align.features == "stored"  # dummy data makes random ones; a missing folder is the dataset's to name
+    try:
+        meta = read_meta(meta_file.parent)
+    except ValueError as e:
+        raise ConfigError(f"{at(job_config, 'training.dataset_path')}: {e}") from e
+    if "features" not in meta:
+        if align.features == "stored":
+            raise ConfigError(f"{at(job_config, 'alignment.features')}: {meta_file} records no encoder features: "
+                              f"prepare the latents with --store-features {align.encoder_path}")  # fmt: skip
+        return False
+    mismatch = features_mismatch(meta["features"], align.encoder_path, args.input_size // args.patch_size)
+    if mismatch is not None:
+        key, why = mismatch
+        instead = "; or set alignment.features = 'encoder' to encode its stored images" if meta.get("images") else ""
+        raise ConfigError(f"{at(job_config, key)}: {meta_file} holds encoder features this run cannot align to: "
+                          f"{why}. Prepare the latents again with --store-features {align.encoder_path} "
+                          f"--features-patch-size {args.patch_size}{instead}")  # fmt: skip
+    return True
 
 
 def dit_flops_per_sample(args: DiTArgs, job_config) -> float:
     """Training FLOPs of one image: the DiT's (its projectors included), and the frozen encoder's forward."""
     flops = flops_per_image(args)
-    if args.align_depth and job_config.alignment.enable:
+    if args.align_depth and job_config.alignment.enable and not reads_stored_features(job_config, args):
         from torchtitan.alignment import encoder_architecture
 
         flops += encoder_architecture(job_config.alignment, args.input_size // args.patch_size).forward_flops()
@@ -123,7 +162,9 @@ def _build_objective(job_config, model_args: DiTArgs, layout):
     if model_args.align_depth:
         from torchtitan.alignment import build_alignment
 
-        alignment = build_alignment(job_config, model_args, layout.device)
+        alignment = build_alignment(
+            job_config, model_args, layout.device, reads_stored_features(job_config, model_args)
+        )
     return DiffusionObjective(job_config.diffusion, model_args, layout, alignment)
 
 
@@ -131,10 +172,14 @@ def _build_dataloader(job_config, model_args: DiTArgs, dp_rank: int, dp_world: i
     from torchtitan.datasets import build_dataloader
 
     assert split == "train", "the image datasets hold out no split (config_validation refuses [validation])"
-    # An aligning latent model's encoder needs the images its latents encode (a pixel model's inputs are them).
-    images = bool(model_args.align_depth) and model_args.in_channels not in (1, 3)
+    # An aligning latent model's encoder needs the images its latents encode (a pixel model's inputs are them), or
+    # its features of them, stored.
+    features = None
+    if reads_stored_features(job_config, model_args):
+        features = ((model_args.input_size // model_args.patch_size) ** 2, model_args.align_dims[0])  # (T, D)
+    images = bool(model_args.align_depth) and model_args.in_channels not in (1, 3) and features is None
     return build_dataloader(job_config.training, model_args, dp_rank, dp_world, job_config.debug.seed, poisson_steps,
-                            job_config.latent, images)  # fmt: skip
+                            job_config.latent, images, features)  # fmt: skip
 
 
 register_train_spec(
