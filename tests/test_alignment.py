@@ -475,3 +475,22 @@ def test_features_of_another_encoder_or_grid_are_refused(aligned_latents, tmp_pa
                        r"run stores \{.*dinov2_other.pth.*\} \(--store-features"):  # fmt: skip
         prepare_folder(images, aligned_latents["tok"], aligned_latents["float16"], store_images=True,
                        store_features=str(other))  # fmt: skip
+
+
+def test_feature_storage_precision_script(capsys):
+    """scripts/feature_storage_precision.py (docs/latent.md's figures) on the committed tiny DINOv2: one row per
+    projection and variant; float16 storage changes the gradient less than bfloat16 storage, which changes it less
+    than computing the encoder in bf16."""
+    from scripts import feature_storage_precision
+
+    feature_storage_precision.main(["--encoder", str(ENCODER), "--images", "2"])
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [(r[0].strip("| "), r[2]) for r in rows[:3]] == [
+        ("random", "float16 storage"),
+        ("random", "bfloat16 storage"),
+        ("random", "bf16 compute"),
+    ]
+    assert len(rows) == 9
+    for first in range(0, 9, 3):
+        grads = [float(r[4].strip(" |")) for r in rows[first : first + 3]]
+        assert 0 < grads[0] < grads[1] < grads[2] < 0.1, grads
