@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from torchtitan.alignment import RepresentationAlignment, alignment_losses
-from torchtitan.alignment.dinov2_weights import dinov2_architecture, read_dinov2, resample_positions
+from torchtitan.alignment.dinov2_weights import dinov2_architecture, dinov2_sha256, read_dinov2, resample_positions
 from torchtitan.alignment.encoder import FrozenEncoder
 from torchtitan.alignment.vit import VisionTransformer, ViTArgs
 from torchtitan.tools import safe_pickle
@@ -86,7 +86,8 @@ def _hf_model(swiglu: bool, registers: int, grid: int = 4):
 @pytest.mark.parametrize("swiglu, registers", [(False, 0), (True, 0), (False, 4)])
 def test_hugging_face_folder_equals_transformers_dinov2(tmp_path, swiglu, registers):
     """A Dinov2Model (or Dinov2WithRegistersModel) folder as transformers saves it, read without transformers: our
-    patch tokens equal its last_hidden_state's (random weights, fp32, at its own size: no interpolation)."""
+    patch tokens equal its last_hidden_state's (random weights, fp32, at its own size: no interpolation); its weights'
+    hash (what stored features record) is that of the same weights in an official .pth."""
     model = _hf_model(swiglu, registers)
     model.save_pretrained(tmp_path / "hf")
     args, state = read_dinov2(tmp_path / "hf", grid=4)
@@ -99,6 +100,8 @@ def test_hugging_face_folder_equals_transformers_dinov2(tmp_path, swiglu, regist
         ours = vit.forward_features(x)["x_norm_patchtokens"]
         theirs = model(pixel_values=x).last_hidden_state[:, 1 + registers :]
     assert (ours - theirs).abs().max().item() <= 1e-5
+    torch.save(state, tmp_path / "official.pth")  # the same network in the official format: the same identity
+    assert dinov2_sha256(tmp_path / "official.pth") == dinov2_sha256(tmp_path / "hf")
 
 
 def test_official_pth_and_its_architecture(tmp_path):
