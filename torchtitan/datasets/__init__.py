@@ -1,14 +1,23 @@
 """Datasets (digits, dummy, image folder, CIFAR-10, latent shards; text) and the stateful distributed loader."""
 
+from pathlib import Path
+
 from torch.utils.data import Dataset
 
 from torchtitan.datasets.loader import DiffusionDataLoader, PoissonDataLoader
 
-__all__ = ["DiffusionDataLoader", "PoissonDataLoader", "build_dataloader", "build_dataset", "build_text_dataloader"]
+__all__ = [
+    "DiffusionDataLoader",
+    "PoissonDataLoader",
+    "build_dataloader",
+    "build_dataset",
+    "build_held_out_dataset",
+    "build_text_dataloader",
+]
 
 
 def build_dataset(training_config, model_args, latent_config=None, images: bool = False,
-                  features: tuple[int, int] | None = None) -> Dataset:  # fmt: skip
+                  features: tuple[int, int] | None = None, hold_out: bool = False) -> Dataset:  # fmt: skip
     """The dataset named by `training.dataset`, checked against the model's input shape.
 
     Args:
@@ -22,6 +31,8 @@ def build_dataset(training_config, model_args, latent_config=None, images: bool 
         features: (T, D): a latent dataset's inputs carry that encoder's features of the images instead
             (prefetch.LatentsAndFeatures): the stored ones ('latents', prepared with --store-features), or random
             ones of that shape ('dummy').
+        hold_out: leave out what `build_held_out_dataset` holds out of this data (the digits' last 197 images),
+            while a fixed-timestep validation loss reads them.
 
     Raises:
         FileNotFoundError: the dataset path is missing or empty (the message names it).
@@ -33,7 +44,7 @@ def build_dataset(training_config, model_args, latent_config=None, images: bool 
     if name == "digits":
         from torchtitan.datasets.digits import DigitsDataset
 
-        dataset = DigitsDataset(size)
+        dataset = DigitsDataset(size, "train" if hold_out else "all")
     elif name == "dummy":
         from torchtitan.datasets.dummy import DummyDataset
 
@@ -67,6 +78,76 @@ def build_dataset(training_config, model_args, latent_config=None, images: bool 
     return dataset
 
 
+def build_held_out_dataset(job_config, model_args) -> Dataset:
+    """The held-out data of a DiT's fixed-timestep validation loss, never flipped: `validation.dataset_path` read as
+    `training.dataset`'s kind, or the dataset's own held-out split (CIFAR-10's test_batch, the digits' last 197
+    images, `validation.loss_num_samples` dummy items from a pool of seed 1). Latents take the training latents'
+    normalization and must come from their tokenizer; images and latents must name the training data's classes.
+
+    Raises:
+        FileNotFoundError, ValueError: the data is missing, or disagrees with the model or the training data.
+    """
+    training, path = job_config.training, job_config.validation.dataset_path
+    name, size = training.dataset, training.image_size or model_args.input_size
+    if name == "digits":
+        from torchtitan.datasets.digits import DigitsDataset
+
+        dataset = DigitsDataset(size, "validation")
+    elif name == "dummy":
+        from torchtitan.datasets.dummy import DummyDataset
+
+        # As many items as asked for (a benchmark measures the loss's cost), drawn from a pool of another seed.
+        length = max(job_config.validation.loss_num_samples, 1)
+        dataset = DummyDataset(model_args.in_channels, size, model_args.num_classes, length=length, seed=1)
+    elif name == "cifar10":
+        from torchtitan.datasets.cifar10 import TEST_BATCHES, CIFAR10Dataset
+
+        dataset = CIFAR10Dataset(path or training.dataset_path, random_flip=False, batches=TEST_BATCHES)
+    elif name == "imagefolder":
+        from torchtitan.datasets.imagefolder import ImageFolderDataset
+
+        dataset = ImageFolderDataset(path, size, random_flip=False)
+        _check_same_classes(dataset.classes, sorted(p.name for p in Path(training.dataset_path).iterdir()
+                                                    if p.is_dir()), path, training.dataset_path)  # fmt: skip
+    elif name == "latents":
+        dataset = _held_out_latents(path, training.dataset_path, job_config.latent)
+    else:
+        raise ValueError(f"training.dataset = {name!r} holds out no data")
+    _check_matches_model(name, dataset, model_args)
+    return dataset
+
+
+def _held_out_latents(path: str, training_path: str, latent_config) -> Dataset:
+    """Held-out latent shards in the model space of the training latents: their normalization (a folder's own
+    per-channel statistics would shift the inputs) and their tokenizer's latents."""
+    from torchtitan.datasets.latents import (
+        LatentShardDataset,
+        describe_tokenizer,
+        normalization_for,
+        read_meta,
+        same_tokenizer,
+    )
+
+    dataset = LatentShardDataset(path, random_flip=False)
+    trained = read_meta(training_path)
+    if not same_tokenizer(dataset.meta["tokenizer"], trained["tokenizer"]):
+        raise ValueError(f"{path} holds latents of {describe_tokenizer(dataset.meta['tokenizer'], hashes=True)}, and "
+                         f"training.dataset_path {training_path} of "
+                         f"{describe_tokenizer(trained['tokenizer'], hashes=True)}")  # fmt: skip
+    dataset.normalization = normalization_for(trained, latent_config.scale_factor, latent_config.stats_file)
+    _check_same_classes(dataset.meta.get("classes") or [], trained.get("classes") or [], path, training_path)
+    return dataset
+
+
+def _check_same_classes(held_out: list[str], trained: list[str], path: str, training_path: str) -> None:
+    """Label k must name one class in both (a folder of fewer classes numbers them otherwise); unnamed: unchecked."""
+    if held_out and trained and held_out != trained:
+        differ = sorted(set(held_out) ^ set(trained))[:3] or "their order"
+        raise ValueError(f"{path} has {len(held_out)} classes and training.dataset_path {training_path} "
+                         f"{len(trained)}, not the same (differing: {differ}): its labels would name other "
+                         "classes")  # fmt: skip
+
+
 def _check_matches_model(name: str, dataset: Dataset, model_args) -> None:
     image, _ = dataset[0]
     image = getattr(image, "latents", image)  # LatentsAndImages: the model's input is the latent
@@ -85,13 +166,14 @@ def _check_matches_model(name: str, dataset: Dataset, model_args) -> None:
 
 
 def build_dataloader(training_config, model_args, dp_rank: int, dp_world: int, seed: int, poisson_steps: int = 0,
-                     latent_config=None, images: bool = False, features: tuple[int, int] | None = None):  # fmt: skip
+                     latent_config=None, images: bool = False, features: tuple[int, int] | None = None,
+                     hold_out: bool = False):  # fmt: skip
     """Shuffled fixed-size batches, or with poisson_steps > 0 Poisson-sampled ones (DP-SGD).
 
-    `latent_config` is the `[latent]` section, `images` says a latent dataset carries its images and `features` the
-    shape of its stored encoder features, passed to `build_dataset`.
+    `latent_config` is the `[latent]` section, `images` says a latent dataset carries its images, `features` the
+    shape of its stored encoder features and `hold_out` leaves out the held-out data, passed to `build_dataset`.
     """
-    dataset = build_dataset(training_config, model_args, latent_config, images, features)
+    dataset = build_dataset(training_config, model_args, latent_config, images, features, hold_out)
     return _loader(dataset, training_config, dp_rank, dp_world, seed, poisson_steps)
 
 

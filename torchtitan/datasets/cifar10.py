@@ -10,6 +10,7 @@ from torch.utils.data import Dataset
 from torchtitan.tools import safe_pickle
 
 TRAIN_BATCHES = [f"data_batch_{i}" for i in range(1, 6)]
+TEST_BATCHES = ["test_batch"]  # 10,000 images: the held-out split of a DiT's fixed-timestep loss
 
 # A CIFAR-10 python batch is a dict of bytes keys holding lists, bytes and a uint8 array: numpy's array
 # rebuilders are the only globals it names.
@@ -28,27 +29,28 @@ def load_cifar10_pickle(file: BinaryIO) -> dict:
     return safe_pickle.load(file, CIFAR10_PICKLE_GLOBALS, source, "a CIFAR-10 python batch", encoding="bytes")
 
 
-def find_cifar10_folder(root: str) -> Path:
-    """The folder holding data_batch_1..5: `root` itself or its cifar-10-batches-py child."""
+def find_cifar10_folder(root: str, batches: list[str] = TRAIN_BATCHES) -> Path:
+    """The folder holding the batches (data_batch_1..5; or test_batch): `root` itself or its cifar-10-batches-py
+    child."""
     path = Path(root)
     for candidate in (path, path / "cifar-10-batches-py"):
-        if (candidate / "data_batch_1").is_file():
+        if (candidate / batches[0]).is_file():
             return candidate
-    raise FileNotFoundError(
-        f"training.dataset_path: {root} holds no CIFAR-10 python batches (data_batch_1..5); "
-        "unpack cifar-10-python.tar.gz there"
-    )
+    what = "python batches (data_batch_1..5)" if batches == TRAIN_BATCHES else f"batch {batches[0]}"
+    raise FileNotFoundError(f"training.dataset_path: {root} holds no CIFAR-10 {what}; unpack "
+                            "cifar-10-python.tar.gz there")  # fmt: skip
 
 
 class CIFAR10Dataset(Dataset):
-    """3 x 32 x 32 images in [-1, 1], labels 0..9, random horizontal flips."""
+    """3 x 32 x 32 images in [-1, 1], labels 0..9, random horizontal flips; the training batches, or `batches`
+    (TEST_BATCHES: the test split)."""
 
     num_classes = 10
 
-    def __init__(self, root: str, random_flip: bool = True):
-        folder = find_cifar10_folder(root)
+    def __init__(self, root: str, random_flip: bool = True, batches: list[str] = TRAIN_BATCHES):
+        folder = find_cifar10_folder(root, batches)
         images, labels = [], []
-        for name in TRAIN_BATCHES:
+        for name in batches:
             file = folder / name
             if not file.is_file():
                 raise FileNotFoundError(f"training.dataset_path: CIFAR-10 batch {file} is missing")

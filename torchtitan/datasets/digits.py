@@ -33,13 +33,28 @@ def load_digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     return table[:, :-1].reshape(-1, 8, 8), table[:, -1].astype(np.int64)
 
 
+HELD_OUT = 197  # the last images: the held-out split of a DiT's fixed-timestep loss (1600 train on)
+SPLITS = ("all", "train", "validation")
+
+
 class DigitsDataset(Dataset):
-    """1 x size x size images in [-1, 1] with labels 0..9."""
+    """1 x size x size images in [-1, 1] with labels 0..9.
+
+    Args:
+        image_size: the side the 8 x 8 images are upsampled to.
+        split: "all" (1797 images), or "train" (the first 1600) and "validation" (the last 197), what a run with
+            a fixed-timestep validation loss trains on and holds out.
+    """
 
     num_classes = 10
 
-    def __init__(self, image_size: int = 16):
+    def __init__(self, image_size: int = 16, split: str = "all"):
+        if split not in SPLITS:
+            raise ValueError(f"digits split {split!r}: must be one of {list(SPLITS)}")
         pixels, labels = load_digits_arrays()
+        if split != "all":
+            kept = slice(-HELD_OUT, None) if split == "validation" else slice(None, -HELD_OUT)
+            pixels, labels = pixels[kept], labels[kept]
         images = torch.tensor(pixels, dtype=torch.float32).unsqueeze(1) / 16.0  # (N, 1, 8, 8) in [0, 1]
         if image_size != 8:
             images = F.interpolate(images, size=(image_size, image_size), mode="bilinear", align_corners=False)

@@ -22,8 +22,8 @@ class DummyDataset(Dataset):
     """
 
     def __init__(self, channels: int, image_size: int, num_classes: int, length: int = 1 << 20, pool: int = 256,
-                 images: bool = False, features: tuple[int, int] | None = None):  # fmt: skip
-        generator = torch.Generator().manual_seed(0)
+                 images: bool = False, features: tuple[int, int] | None = None, seed: int = 0):  # fmt: skip
+        generator = torch.Generator().manual_seed(seed)  # 1: the held-out pool of the fixed-timestep loss
         shape = (pool, channels, image_size, image_size)
         if channels == 3:
             self.images = torch.randint(0, 256, shape, generator=generator, dtype=torch.uint8)

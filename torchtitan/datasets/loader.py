@@ -122,28 +122,40 @@ class DiffusionDataLoader:
             self.loader.load_state_dict(self._start)
 
 
+def held_out_positions(num_items: int, batch_size: int, dp_rank: int, dp_world: int, max_batches: int):
+    """This rank's batches of positions 0..num_items-1 of a held-out split's fixed order, each position at most once
+    over all ranks: dealt to the ranks in turn, so the same positions are read whatever the number of ranks. Every
+    rank gets as many batches (a collective model under FSDP needs every rank's forward), at most `max_batches`,
+    and the split ends the pass rather than wrap around; rows past its end repeat position 0 with weight 0, so
+    shapes stay static.
+
+    Yields:
+        (positions, weight): `batch_size` positions and a float32 (batch_size,) weight, 1 for a position of the
+        split and 0 for padding.
+    """
+    mine = list(range(dp_rank, num_items, dp_world))
+    per_rank = -(-num_items // dp_world)  # the largest share: ranks differ by at most one item
+    for start in range(0, min(max_batches * batch_size, per_rank), batch_size):
+        positions = mine[start : start + batch_size]
+        weight = torch.zeros(batch_size)
+        weight[: len(positions)] = 1.0
+        yield positions + [0] * (batch_size - len(positions)), weight
+
+
 def validation_batches(dataset: Dataset, batch_size: int, dp_rank: int, dp_world: int, seed: int,
                        max_batches: int):  # fmt: skip
     """This rank's batches of a held-out split, each item of the split at most once over all ranks.
 
     The items are taken in one fixed shuffled order (seeded by `seed`, so a capped pass is a random subset, the
-    same at every validation), dealt to the ranks in turn; every rank gets as many batches (a collective model
-    under FSDP needs every rank's forward), at most `max_batches`, and the split ends the pass rather than wrap
-    around. Rows past the end of the split repeat an item with weight 0, so shapes stay static.
+    same at every validation) and dealt as `held_out_positions` deals them.
 
     Yields:
         (inputs, labels, weight): a collated batch of `batch_size` rows and a float32 (batch_size,) weight,
         1 for an item of the split and 0 for padding.
     """
     order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))
-    mine = order[dp_rank::dp_world].tolist()
-    per_rank = -(-len(dataset) // dp_world)  # the largest share: ranks differ by at most one item
-    for start in range(0, min(max_batches * batch_size, per_rank), batch_size):
-        indices = mine[start : start + batch_size]
-        weight = torch.zeros(batch_size)
-        weight[: len(indices)] = 1.0
-        indices += [order[0].item()] * (batch_size - len(indices))
-        inputs, labels = default_collate([dataset[i] for i in indices])
+    for positions, weight in held_out_positions(len(dataset), batch_size, dp_rank, dp_world, max_batches):
+        inputs, labels = default_collate([dataset[order[p].item()] for p in positions])
         yield inputs, labels, weight
 
 
