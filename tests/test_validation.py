@@ -57,7 +57,8 @@ def fid_flags(files, *extra: str) -> list[str]:
     return [*TINY, "--validation.enable", "true", "--validation.freq", "1", "--validation.fid_dims", str(DIMS),
             "--validation.fid_reference", str(files["reference"]), "--validation.inception_weights",
             str(files["weights"]), "--validation.fid_num_samples", "6", "--validation.fid_batch_size", "4",
-            "--validation.fid_sampling_steps", "2", "--training.steps", "2", *extra]  # fmt: skip
+            "--validation.fid_sampling_steps", "2", "--validation.loss_num_samples", "6", "--validation.loss_freq", "1",
+            "--training.steps", "2", *extra]  # fmt: skip
 
 
 @pytest.fixture
@@ -84,13 +85,18 @@ def test_logged_fid_over_two_ranks_is_what_sample_py_and_evaluate_fid_give(files
     """A 2-rank DDP run (gloo) logs FID at every step; the route of docs/latent.md (sample.py --npz in one process,
     then scripts/evaluate_fid.py) on its exported EMA weights gives the number it logged at its last step. 5 samples
     in batches of 2: rank 0 samples batches 0 and 2, rank 1 batch 1 and a padding pass (a DDP or FSDP forward is a
-    collective; FSDP costs this test 10 s more on 2 CPU cores and gave the same FID by hand)."""
+    collective; FSDP costs this test 10 s more on 2 CPU cores and gave the same FID by hand).
+
+    The same run logs the fixed-timestep loss of 11 held-out digits at every step (rank 0 evaluates 6 of them, rank
+    1 5, each in one padded batch of 8), which one process gives on the exported EMA weights (2 batches)."""
     run = tmp_path / "run"
-    result = run_train(fid_flags(files, "--job.dump_folder", str(run), "--checkpoint.enable", "true",
-                                 "--training.ema_decay", "0.5", "--sampling.seed", "3", "--validation.fid_cfg_scale",
-                                 "1.5", "--validation.fid_num_samples", "5", "--validation.fid_batch_size", "2",
-                                 "--metrics.enable_tensorboard", "true", "--parallelism.data_parallel_replicate_degree",
-                                 "2", "--parallelism.data_parallel_shard_degree", "1"), nproc=2)  # fmt: skip
+    flags = fid_flags(files, "--job.dump_folder", str(run), "--checkpoint.enable", "true", "--training.ema_decay",
+                      "0.5", "--sampling.seed", "3", "--validation.fid_cfg_scale", "1.5",
+                      "--validation.fid_num_samples", "5", "--validation.fid_batch_size", "2",
+                      "--metrics.enable_tensorboard", "true", "--validation.loss_num_samples", "11",
+                      "--parallelism.data_parallel_replicate_degree", "2",
+                      "--parallelism.data_parallel_shard_degree", "1")  # fmt: skip
+    result = run_train(flags, nproc=2)
     records = fid_records(run)
     assert [r["step"] for r in records] == [1, 2]
     assert records[0]["validation/fid"] != records[1]["validation/fid"]  # the EMA moved
@@ -103,6 +109,7 @@ def test_logged_fid_over_two_ranks_is_what_sample_py_and_evaluate_fid_give(files
 
     events = EventAccumulator(str(run / "tb")).Reload()
     assert [e.value for e in events.Scalars("validation/fid")] == pytest.approx([r["validation/fid"] for r in records])
+    assert_fixed_timestep_loss_is_one_process(flags, run, events, result.stdout + result.stderr)
 
     # By hand: the exported EMA weights through sample.py --npz, then scripts/evaluate_fid.py.
     assert sample.main(["--checkpoint", str(run), "--npz", str(tmp_path / "samples.npz"), "--num-samples", "5",
@@ -116,6 +123,39 @@ def test_logged_fid_over_two_ranks_is_what_sample_py_and_evaluate_fid_give(files
     by_hand = json.loads(capsys.readouterr().out)["fid"]
     # The same uint8 images: only the sums' order differs (np.cov centres first; the run sums about mu_ref, by rank).
     assert records[1]["validation/fid"] == pytest.approx(by_hand, rel=1e-6)
+
+
+def assert_fixed_timestep_loss_is_one_process(flags: list[str], run, events, output: str) -> None:
+    """The run's `loss/val_t0..7` and `loss/val` at steps 1 and 2 in metrics.jsonl, TensorBoard and on the console;
+    at step 2 those of the exported EMA weights in one process (1e-6 relative: the ranks' float32 forwards see
+    other batches, and the sums add in another order)."""
+    import contextlib
+
+    from torchtitan.components.validation_loss import HeldOutLoss
+    from torchtitan.diffusion import build_diffusion
+    from torchtitan.models.dit.weights import load_model
+
+    keys = [f"loss/val_t{k}" for k in range(8)] + ["loss/val"]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in records if "loss/val" in r]
+    assert [r["step"] for r in logged] == [1, 2] and all(r["validation/loss_samples"] == 11 for r in logged)
+    assert logged[0]["loss/val"] != logged[1]["loss/val"]  # the EMA moved
+    assert [e.value for e in events.Scalars("loss/val_t3")] == pytest.approx([r["loss/val_t3"] for r in logged])
+    line = [s for s in output.splitlines() if "validation loss" in s][-1]
+    assert f"validation loss {logged[1]['loss/val']:.4f}" in line and "11 samples in" in line
+    assert f"at t_0..t_7 {logged[1]['loss/val_t0']:.4f} {logged[1]['loss/val_t1']:.4f}" in line
+    cfg = parse_args(flags)
+    model, args = load_model(cfg, run / "ema.safetensors", torch.device("cpu"))
+
+    class Records:
+        enabled = True
+        log = staticmethod(lambda step, record: None)
+
+    one = HeldOutLoss(cfg, args, build_diffusion(cfg.diffusion, args.learn_sigma), torch.device("cpu"), 0, 1, None,
+                      Records())  # fmt: skip
+    one.check(global_batch=16)
+    by_hand = one.run(model.train(), None, 2, contextlib.nullcontext)
+    assert [logged[1][k] for k in keys] == pytest.approx([by_hand[k] for k in keys], rel=1e-6)
 
 
 def test_reference_images_against_their_own_statistics():
@@ -219,7 +259,8 @@ def test_a_latent_run_trains_through_failing_validations_and_scores_decoded_imag
                                                                                   log_lines):  # fmt: skip
     """A latent DiT (4 x 8 x 8, decoded by a random TorchScript tokenizer as Cosmos ships them, downsample 2): NaN
     features at the first validation and an error at the second are a warning line each and the run trains on; the
-    third scores the decoded 16 x 16 RGB images. Without a tokenizer the config is refused, naming the key."""
+    third scores the decoded 16 x 16 RGB images; the fixed-timestep loss of the held-out latents is logged at every
+    step all along. Without a tokenizer the config is refused, naming the key."""
     from tests.test_cosmos_latent_decoder import make_jit_tokenizer
     from torchtitan.trainer import Trainer
 
@@ -250,6 +291,8 @@ def test_a_latent_run_trains_through_failing_validations_and_scores_decoded_imag
         trainer.close()
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3]
+    # The fixed-timestep loss of the held-out latents (dummy items of another pool) at every step, whatever the FID.
+    assert [r["step"] for r in records if "loss/val" in r] == [1, 2, 3]
     warnings = [line for line in log_lines if line.startswith("WARNING") and "FID validation failed" in line]
     assert len(warnings) == 2
     assert "step 1: " in warnings[0] and "not finite" in warnings[0]

@@ -115,7 +115,9 @@ _BOUNDS = {
     "training.seq_len": "> 0",
     "validation.freq": "> 0",
     "validation.steps": "> 0",
-    "validation.fid_num_samples": "> 0",
+    "validation.fid_num_samples": ">= 0",
+    "validation.loss_num_samples": ">= 0",
+    "validation.loss_freq": "> 0",
     "validation.fid_sampling_steps": "> 0",
     "validation.fid_batch_size": "> 0",
     "training.dataloader.num_workers": ">= 0",
@@ -212,7 +214,7 @@ def _check_family(cfg, spec, args, errors: list[str]) -> None:
     if cfg.training.dataset not in spec.datasets:
         errors.append(f"{at(cfg, 'training.dataset')}: {name} reads {list(spec.datasets)}")
     if cfg.validation.enable and spec.name == "dit":
-        _check_fid(cfg, args, name, errors)
+        _check_dit_validation(cfg, args, name, errors)
     elif cfg.validation.enable and not spec.has_validation_split:
         errors.append(f"{at(cfg, 'validation.enable')}: {name} trains on datasets without a held-out split")
     load_format = cfg.checkpoint.initial_load_format
@@ -240,6 +242,38 @@ def _check_family(cfg, spec, args, errors: list[str]) -> None:
     if cfg.dp.enable and cfg.dp.augmult > 1:
         errors.append(f"{at(cfg, 'dp.augmult')}: augmult draws K diffusion timesteps and noises per image; {name} "
                       "has no per-sample randomness to multiply (set 1)")  # fmt: skip
+
+
+def _check_dit_validation(cfg, args, name: str, errors: list[str]) -> None:
+    """A DiT's [validation]: FID (fid_num_samples > 0) and the fixed-timestep loss (loss_num_samples > 0), at least
+    one of them."""
+    v = cfg.validation
+    if v.fid_num_samples > 0:
+        _check_fid(cfg, args, name, errors)
+    if v.loss_num_samples > 0:
+        _check_held_out(cfg, name, errors)
+    if v.fid_num_samples == 0 and v.loss_num_samples == 0:
+        errors.append(f"{at(cfg, 'validation.enable')}: on {name} with "
+                      f"{keys_in(cfg, 'validation.fid_num_samples', 'validation.loss_num_samples')} both 0 there is "
+                      "nothing to validate")  # fmt: skip
+
+
+def _check_held_out(cfg, name: str, errors: list[str]) -> None:
+    """The fixed-timestep loss's held-out data: `validation.dataset_path` where the dataset holds none out itself
+    (torchtitan.datasets.build_held_out_dataset), and only where it reads one; said at start."""
+    from pathlib import Path
+
+    dataset, path = cfg.training.dataset, cfg.validation.dataset_path
+    loss = f"the fixed-timestep loss of {at(cfg, 'validation.loss_num_samples')} on {name}"
+    if not path and dataset in ("latents", "imagefolder"):
+        what = "latent shards prepared from held-out images" if dataset == "latents" else "a folder of held-out images"
+        errors.append(f"{at(cfg, 'validation.dataset_path')}: {loss} needs {what}, and {at(cfg, 'training.dataset')} "
+                      "holds none out; name them, or set validation.loss_num_samples = 0")  # fmt: skip
+    elif path and dataset in ("digits", "dummy"):
+        errors.append(f"{at(cfg, 'validation.dataset_path')}: {at(cfg, 'training.dataset')} holds out its own "
+                      "data and reads no path; leave it empty")  # fmt: skip
+    elif path and not Path(path).expanduser().is_dir():
+        errors.append(f"{at(cfg, 'validation.dataset_path')}: no such folder; {loss} reads its held-out data there")
 
 
 def _check_fid(cfg, args, name: str, errors: list[str]) -> None:

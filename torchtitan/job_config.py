@@ -209,15 +209,15 @@ class Validation:
     """Every `freq` steps and at the end. Language models: the held-out loss (and perplexity) on the held-out split
     of the text datasets. DiTs: the FID (and Inception Score) of `fid_num_samples` samples of the EMA weights
     against `fid_reference`, through the Inception network of `inception_weights` (both local files; see
-    docs/latent.md)."""
+    docs/latent.md), and every `loss_freq` steps the loss at 8 fixed timesteps on held-out data (docs/diffusion.md)."""
     freq: int = 100
-    """Steps between validations."""
+    """Steps between validations (a DiT's FID; its fixed-timestep loss runs every `loss_freq`)."""
     steps: int = 10
     """Language models: micro-batches per rank each validation reads (the same ones every time)."""
     fid_num_samples: int = 5000
     """DiTs: samples per FID, class-balanced (labels cycle through the classes), from fixed noise (`sampling.seed`),
-    spread over the data-parallel ranks. FID is biased upward at small N: compare runs at the same N (the papers'
-    figures are FID-50K)."""
+    spread over the data-parallel ranks; 0: no FID (the fixed-timestep loss alone, which needs no files). FID is
+    biased upward at small N: compare runs at the same N (the papers' figures are FID-50K)."""
     fid_reference: str = ""
     """DiTs: the reference statistics, an .npz with `mu` and `sigma` (ADM's reference batches, e.g.
     VIRTUAL_imagenet256_labeled.npz, or `scripts/evaluate_fid.py --save-stats`), or with `arr_0` images whose
@@ -235,6 +235,20 @@ class Validation:
     fid_batch_size: int = 64
     """DiTs: samples per sampler batch and Inception batch, per rank (`sample.py --batch-size` gives the same
     samples)."""
+    loss_num_samples: int = 512
+    """DiTs: held-out samples of the fixed-timestep loss (`loss/val_t0` .. `loss/val_t7`, `loss/val`), each noised
+    with the same noise (`sampling.seed`) at every evaluation, spread over the data-parallel ranks; a smaller
+    held-out split is taken whole. 0: no fixed-timestep loss."""
+    loss_freq: int = 5000
+    """DiTs: steps between fixed-timestep losses (and at the end). 512 samples x 8 forwards every 5000 steps cost
+    8 x 512 / (3 x global batch x 5000) of training's FLOPs: 0.11% at a global batch of 256, under 1% from 28
+    (docs/diffusion.md)."""
+    dataset_path: str = ""
+    """DiTs: the held-out data of the fixed-timestep loss, in `training.dataset`'s format: latent shards prepared
+    from held-out images ('latents', e.g. ImageNet's validation images by data/imagenet/prepare.py), a folder of
+    class subfolders ('imagefolder'), or a folder holding CIFAR-10's `test_batch` ('cifar10'). Empty: CIFAR-10's
+    `test_batch` beside its training batches; the digits' last 197 images, held out of training while the loss is
+    on; dummy items of another pool. 'latents' and 'imagefolder' need it."""
 
 
 @dataclass

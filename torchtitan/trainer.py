@@ -29,6 +29,7 @@ from torchtitan.components.run_lock import acquire_run_lock
 from torchtitan.components.sampling import SampleWriter
 from torchtitan.components.step_guard import NonFiniteGuard
 from torchtitan.components.validation import FIDValidator
+from torchtitan.components.validation_loss import HeldOutLoss
 from torchtitan.config_manager import ConfigError, JobConfig, check_batch_sizes, to_toml
 from torchtitan.config_validation import at, validate_layout
 from torchtitan.datasets.prefetch import DevicePrefetcher, batch_to_device
@@ -108,11 +109,7 @@ class Trainer:
             self.samples = SampleWriter(cfg, self.model_args, self.objective.diffusion, self.device, self.rank,
                                         self.dump_folder, self.metrics)  # fmt: skip
             self.samples.check()
-        self.fid = None  # a DiT's [validation]: FID of EMA samples (torchtitan/components/validation.py)
-        if self.samples is not None and cfg.validation.enable:
-            self.fid = FIDValidator(cfg, self.model_args, self.objective.diffusion, self.device, self.dp_rank,
-                                    self.dp_degree, self.parallel_dims.dp_group, self.metrics)  # fmt: skip
-            self.fid.check()
+        self.fid, self.held_out_loss = self._build_dit_validation()
         # A sample costs K forward/backward passes with augmult: MFU counts them, images/s counts images.
         flops = self.train_spec.flops_per_sample_fn(self.model_args, cfg) * self.augmult
         self.meter = ThroughputMeter(self.device, flops, self.global_batch, self.world_size,
@@ -180,6 +177,22 @@ class Trainer:
         if self.step > 0:  # the config's optimizer settings win over the checkpoint's
             for change in apply_configured_hyperparameters(self.optimizer, self.lr_scheduler, cfg.optimizer):
                 logger.warning(f"resumed with a changed config: {change}")
+
+    def _build_dit_validation(self) -> tuple[FIDValidator | None, HeldOutLoss | None]:
+        """A DiT's [validation]: the FID of EMA samples (components/validation.py) and the loss at fixed timesteps
+        on held-out data (components/validation_loss.py), each as configured and checked now; None otherwise."""
+        cfg, v = self.job_config, self.job_config.validation
+        if self.samples is None or not v.enable:
+            return None, None
+        shared = (self.objective.diffusion, self.device, self.dp_rank, self.dp_degree, self.parallel_dims.dp_group,
+                  self.metrics)  # fmt: skip
+        fid = FIDValidator(cfg, self.model_args, *shared) if v.fid_num_samples > 0 else None
+        held_out = HeldOutLoss(cfg, self.model_args, *shared) if v.loss_num_samples > 0 else None
+        if fid is not None:
+            fid.check()
+        if held_out is not None:
+            held_out.check(self.global_batch * self.augmult)
+        return fid, held_out
 
     def build_dataloader(self, poisson_steps: int, split: str):
         """This rank's loader of the config's dataset ("train" or the held-out "validation" split)."""
@@ -405,14 +418,19 @@ class Trainer:
             self.gc.run(self.step)
             last = self.step == cfg.training.steps
             log, save = self.logs_at(self.step), self.checkpointer.should_save(self.step, last)
-            validate = cfg.validation.enable and (self.step % cfg.validation.freq == 0 or last)
+            # An LM's held-out loss or a DiT's FID; a DiT's fixed-timestep loss keeps its own interval.
+            validate = (self.fid is not None or self.validation_loader is not None) and (
+                self.step % cfg.validation.freq == 0 or last)  # fmt: skip
+            held_out = self.held_out_loss is not None and self.held_out_loss.due(self.step, last)
             sample = self.samples is not None and self.samples.due(self.step, last)
-            if last or log or save or validate or sample:
+            if last or log or save or validate or held_out or sample:
                 self.guard.check()  # no state is logged, saved, sampled or exported after a non-finite step
             if log:
                 self.log(out)
             if save:  # before the samples: a failing side feature never costs the step's checkpoint
                 self.checkpointer.save(self.step, last=last)
+            if held_out:
+                self.held_out_loss.run(self.model, self.ema, self.step, self.compute_context)
             if validate:
                 self.validate()
             if sample:
@@ -427,7 +445,8 @@ class Trainer:
         """Mean loss over at most `validation.steps` held-out micro-batches per rank, each held-out sample counted
         once (the pass stops at the end of the split; the same samples each time), over the data-parallel ranks,
         and its perplexity for language models; logged as `validation_loss` (`validation_perplexity`). Weights are
-        the trained ones (not the EMA). A DiT's validation is the FID of EMA samples instead (FIDValidator.run)."""
+        the trained ones (not the EMA). A DiT's validation is the FID of EMA samples instead (FIDValidator.run; its
+        fixed-timestep loss is HeldOutLoss.run's)."""
         if self.fid is not None:
             return self.fid.run(self.model, self.ema, self.step, self.compute_context)
         from torchtitan.datasets.loader import validation_batches

@@ -157,8 +157,13 @@ class MetricsLogger:
 
     def _console_line(self, r: dict) -> str:
         c = (lambda code, s: f"\033[{code}m{s}\033[0m") if self.color else (lambda code, s: s)
-        if "loss" not in r:  # a validation record: held-out loss (language models) or FID of EMA samples (DiTs)
+        if "loss" not in r:  # a validation record: held-out loss (LMs), FID or fixed-timestep loss (DiTs)
             parts = [c(31, f"step {r['step']:>6}")]
+            if "loss/val" in r:
+                at_times = " ".join(f"{r[f'loss/val_t{k}']:.4f}" for k in range(8))
+                parts.append(c(32, f"validation loss {r['loss/val']:.4f}"))
+                parts.append(f"at t_0..t_7 {at_times}  {r['validation/loss_samples']} samples in "
+                             f"{r['validation/loss_seconds']:.1f}s")  # fmt: skip
             if "validation_loss" in r:
                 parts.append(c(32, f"validation loss {r['validation_loss']:.4f}"))
             if "validation_perplexity" in r:

@@ -17,6 +17,7 @@ __all__ = [
     "guided",
     "labels_for",
     "sample_images",
+    "validation_timesteps",
 ]
 
 
@@ -122,3 +123,13 @@ def sample_images(
         hint = " ('ddim' and 'ddpm' are the DDPM objective's)" if sampler in ("ddim", "ddpm") else ""
         raise ValueError(f"sampling.sampler = {sampler!r}: rectified flow samples with 'euler' or 'heun'{hint}")
     return diffusion.sample(model, noise, y, steps, "euler" if sampler == "default" else sampler)
+
+
+def validation_timesteps(diffusion, count: int = 8) -> torch.Tensor:
+    """`count` equally spaced times of the path for a validation loss at fixed timesteps (SD3's: 8), the midpoints
+    of its `count` equal parts, (k + 1/2) / count with 0 the data and 1 the noise, in the objective's own t:
+    rectified flow's float32 t, or DDPM's integer step floor((k + 1/2) T / count) (62, 187, ..., 937 of 1000)."""
+    midpoints = (torch.arange(count, dtype=torch.float64) + 0.5) / count
+    if isinstance(diffusion, GaussianDiffusion):
+        return (midpoints * diffusion.num_timesteps).floor().long()
+    return midpoints.float()

@@ -171,15 +171,17 @@ def _build_objective(job_config, model_args: DiTArgs, layout):
 def _build_dataloader(job_config, model_args: DiTArgs, dp_rank: int, dp_world: int, poisson_steps: int, split: str):
     from torchtitan.datasets import build_dataloader
 
-    assert split == "train", "the image datasets hold out no split (config_validation refuses [validation])"
+    # The fixed-timestep loss reads its held-out data itself (torchtitan/components/validation_loss.py).
+    assert split == "train", "a DiT's held-out data is build_held_out_dataset's"
     # An aligning latent model's encoder needs the images its latents encode (a pixel model's inputs are them), or
     # its features of them, stored.
     features = None
     if reads_stored_features(job_config, model_args):
         features = ((model_args.input_size // model_args.patch_size) ** 2, model_args.align_dims[0])  # (T, D)
     images = bool(model_args.align_depth) and model_args.in_channels not in (1, 3) and features is None
+    v = job_config.validation
     return build_dataloader(job_config.training, model_args, dp_rank, dp_world, job_config.debug.seed, poisson_steps,
-                            job_config.latent, images, features)  # fmt: skip
+                            job_config.latent, images, features, hold_out=v.enable and v.loss_num_samples > 0)  # fmt: skip
 
 
 register_train_spec(
