@@ -180,8 +180,9 @@ def _build_dataloader(job_config, model_args: DiTArgs, dp_rank: int, dp_world: i
         features = ((model_args.input_size // model_args.patch_size) ** 2, model_args.align_dims[0])  # (T, D)
     images = bool(model_args.align_depth) and model_args.in_channels not in (1, 3) and features is None
     v = job_config.validation
+    hold_out = v.enable and v.loss_num_samples > 0
     return build_dataloader(job_config.training, model_args, dp_rank, dp_world, job_config.debug.seed, poisson_steps,
-                            job_config.latent, images, features, hold_out=v.enable and v.loss_num_samples > 0)  # fmt: skip
+                            job_config.latent, images, features, hold_out)  # fmt: skip
 
 
 register_train_spec(
