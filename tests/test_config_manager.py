@@ -443,6 +443,6 @@ def test_a_sampler_of_the_other_objective_is_refused_at_start():
     with pytest.raises(
         ConfigError,
         match=r"sampling.sampler = 'ddim' in the command line: diffusion.objective "
-        r"'rectified_flow' \(in .*debug_model.toml\) samples with \['default', 'euler', 'heun'\]",
+        r"'rectified_flow' \(in .*debug_model.toml\) samples with \['default', 'euler', 'heun', 'sde'\]",
     ):
         parse_args(["--job.config_file", str(ROOT / "train_configs/debug_model.toml"), "--sampling.sampler", "ddim"])

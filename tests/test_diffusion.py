@@ -6,7 +6,15 @@ import pytest
 import torch
 
 from torchtitan.config_manager import ConfigError, parse_args
-from torchtitan.diffusion import GaussianDiffusion, RectifiedFlow, drop_labels, guided, labels_for, sample_images
+from torchtitan.diffusion import (
+    GaussianDiffusion,
+    RectifiedFlow,
+    SDESettings,
+    drop_labels,
+    guided,
+    labels_for,
+    sample_images,
+)
 from torchtitan.diffusion.ddpm import space_timesteps
 from torchtitan.diffusion.objective import LossByTimestep
 
@@ -167,6 +175,39 @@ def test_sampler_recovers_gaussian_target(sampler):
         samples = sample_images(RectifiedFlow(), optimal_velocity, noise, None, steps=100, sampler=sampler)
     assert samples.mean().item() == pytest.approx(MU, abs=0.01)
     assert samples.std().item() == pytest.approx(STD, abs=0.02)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(sampler="sde"),
+        dict(sampler="sde", sde=SDESettings(last_step="tweedie")),
+        dict(sampler="sde", sde=SDESettings("decreasing", 1.0, "euler", 0.1)),
+        dict(sampler="heun", timestep_shift=0.3),
+        dict(sampler="euler", timestep_shift=3.0),
+    ],
+)
+def test_sde_and_shifted_grids_recover_gaussian_target(options):
+    """With the exact velocity of Gaussian data the SDE (each last step, two diffusion forms) and the ODE on a shifted
+    grid end on the data's distribution (4000 samples, 100 steps: measured within 0.003 of the mean and 0.008 of the
+    standard deviation)."""
+    noise = torch.randn(4000, 1, 2, 2, generator=torch.Generator().manual_seed(0))
+    generator = torch.Generator().manual_seed(1)
+    samples = sample_images(RectifiedFlow(), optimal_velocity, noise, None, steps=100, generator=generator, **options)
+    assert samples.mean().item() == pytest.approx(MU, abs=0.01)
+    assert samples.std().item() == pytest.approx(STD, abs=0.02)
+
+
+def test_sde_step_noise_comes_from_the_generator():
+    """A generator draws the SDE's step noise (sample.py's batches, each with its own): the same generator state gives
+    the same samples whatever the global RNG, another gives others."""
+    noise = torch.randn(4, 1, 2, 2, generator=torch.Generator().manual_seed(0))
+    runs = []
+    for global_seed, seed in ((0, 5), (1, 5), (0, 6)):
+        torch.manual_seed(global_seed)
+        generator = torch.Generator().manual_seed(seed)
+        runs.append(sample_images(RectifiedFlow(), optimal_velocity, noise, None, 6, "sde", generator=generator))
+    assert torch.equal(runs[0], runs[1]) and (runs[0] - runs[2]).abs().max() > 1e-2
 
 
 def test_cfg_combines_conditional_and_unconditional():
@@ -341,7 +382,7 @@ def test_ddpm_sampler_is_ddpms_only():
     x = torch.zeros(1, 1, 2, 2)
     with pytest.raises(ValueError, match=r"sampling.sampler = 'euler': DDPM samples with 'ddim' or 'ddpm'"):
         sample_images(GaussianDiffusion(), zero_model, x, None, steps=2, sampler="euler")
-    refusal = r"sampling.sampler = 'ddpm': rectified flow samples with 'euler' or 'heun' \('ddim' and 'ddpm' are"
+    refusal = r"sampling.sampler = 'ddpm': rectified flow samples with 'euler', 'heun' or 'sde' \('ddim' and 'ddpm' are"
     with pytest.raises(ValueError, match=refusal):
         sample_images(RectifiedFlow(), zero_model, x, None, steps=2, sampler="ddpm")
     assert parse_args(["--diffusion.objective", "ddpm", "--sampling.sampler", "ddpm"]).sampling.sampler == "ddpm"

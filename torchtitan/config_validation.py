@@ -54,7 +54,9 @@ _CHOICES = {
     "compile.mode": ("default", "max-autotune-no-cudagraphs"),
     "compile.scope": ("auto", "block", "model"),
     "quantize.linear.float8.recipe_name": ("tensorwise", "rowwise", "rowwise_with_gw_hp"),  # torchao's names
-    "sampling.sampler": ("default", "ddim", "ddpm", "euler", "heun"),
+    "sampling.sampler": ("default", "ddim", "ddpm", "euler", "heun", "sde"),
+    "sampling.sde_diffusion_form": ("sigma", "linear", "decreasing"),  # rectified_flow.SDE_DIFFUSION_FORMS
+    "sampling.sde_last_step": ("mean", "tweedie", "euler"),
     "latent.tokenizer": ("", "cosmos_jit", "diffusers"),
     "dp.mode": ("vanilla", "ghost", "flash", "bookkeeping", "flash_bookkeeping"),
     "dp.accountant": ("rdp", "prv"),
@@ -132,6 +134,11 @@ _BOUNDS = {
     "sampling.num_samples": "> 0",
     "sampling.steps": "> 0",
     "sampling.guidance_channels": "-1 or >= 1",
+    "sampling.guidance_low": "in [0, 1]",
+    "sampling.guidance_high": "in [0, 1]",
+    "sampling.timestep_shift": "> 0",
+    "sampling.sde_diffusion_norm": ">= 0",
+    "sampling.sde_last_step_size": "in (0, 1)",
     "latent.scale_factor": ">= 0",
     "dp.max_grad_norm": "> 0",
     "dp.noise_multiplier": ">= 0",
@@ -140,6 +147,18 @@ _BOUNDS = {
     "dp.augmult": "> 0",
     "debug.seed": "in [0, 2**32)",  # numpy's seed range
 }
+
+
+def value_problem(key: str, value) -> str:
+    """What the tables above say is wrong with `value` for `key` ('' if nothing): not finite, not one of its choices,
+    or out of its range. For a command-line flag that stands for a key (sample.py's `--guidance-high`)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "must be a finite number"
+    if key in _CHOICES and value not in _CHOICES[key]:
+        return f"must be one of {list(_CHOICES[key])}"
+    if key in _BOUNDS and not _RULES[_BOUNDS[key]](value):
+        return f"must be {_BOUNDS[key]}"
+    return ""
 
 
 def _float_keys(obj, prefix: str = ""):
@@ -342,12 +361,7 @@ def _check_combinations(cfg, errors: list[str]) -> None:
         errors.append(f"{at(cfg, 'diffusion.prediction')}: diffusion.objective {cfg.diffusion.objective!r} "
                       f"(in {cfg.source_of('diffusion.objective')}) predicts {predictions[0]!r}{hint}")  # fmt: skip
     _check_flow_keys(cfg, errors)
-    samplers = {"ddpm": ("default", "ddim", "ddpm"), "rectified_flow": ("default", "euler", "heun")}.get(
-        cfg.diffusion.objective
-    )
-    if samplers and cfg.sampling.sampler not in samplers:  # else the first sample grid, steps into the run, would fail
-        errors.append(f"{at(cfg, 'sampling.sampler')}: diffusion.objective {cfg.diffusion.objective!r} (in "
-                      f"{cfg.source_of('diffusion.objective')}) samples with {list(samplers)}")  # fmt: skip
+    _check_sampler(cfg, errors)
     p = cfg.profiling
     if p.enable_profiling and p.profiler_active > p.profile_freq:
         freq = f"profiling.profile_freq = {p.profile_freq} (in {cfg.source_of('profiling.profile_freq')})"
@@ -371,6 +385,32 @@ def _check_combinations(cfg, errors: list[str]) -> None:
     if cfg.checkpoint.create_seed_checkpoint and not cfg.checkpoint.enable:
         errors.append(f"{keys_in(cfg, 'checkpoint.create_seed_checkpoint', 'checkpoint.enable')}: "
                       "a seed checkpoint needs checkpoint.enable = true")  # fmt: skip
+
+
+def _check_sampler(cfg, errors: list[str]) -> None:
+    """The sampler and its settings against the objective (as diffusion.check_sampler refuses them when sampling):
+    else the first sample grid, steps into the run, would fail."""
+    s, objective = cfg.sampling, cfg.diffusion.objective
+    samplers = {"ddpm": ("default", "ddim", "ddpm"), "rectified_flow": ("default", "euler", "heun", "sde")}
+    if objective in samplers and s.sampler not in samplers[objective]:
+        errors.append(f"{at(cfg, 'sampling.sampler')}: diffusion.objective {objective!r} (in "
+                      f"{cfg.source_of('diffusion.objective')}) samples with {list(samplers[objective])}")  # fmt: skip
+    flow_only = {"sampling.guidance_low": 0.0, "sampling.guidance_high": 1.0, "sampling.timestep_shift": 1.0}
+    for key, default in flow_only.items():
+        if objective == "ddpm" and _value(cfg, key) != default:
+            errors.append(f"{at(cfg, key)}: rectified_flow's; diffusion.objective 'ddpm' (in "
+                          f"{cfg.source_of('diffusion.objective')}) guides every step of its own grid")  # fmt: skip
+    if s.guidance_low >= s.guidance_high:
+        errors.append(f"{keys_in(cfg, 'sampling.guidance_low', 'sampling.guidance_high')}: {s.guidance_low} >= "
+                      f"{s.guidance_high}, an empty guidance interval")  # fmt: skip
+    if s.sampler == "sde" and s.timestep_shift != 1.0:
+        sde = f"the 'sde' sampler (in {cfg.source_of('sampling.sampler')})"
+        errors.append(f"{at(cfg, 'sampling.timestep_shift')}: the ODE samplers' ('euler', 'heun'); {sde} steps "
+                      "evenly, as SiT's and REPA's")  # fmt: skip
+    for key in ("sampling.steps", "validation.fid_sampling_steps"):
+        if s.sampler == "sde" and _value(cfg, key) == 1:
+            errors.append(f"{at(cfg, key)}: the 'sde' sampler (in {cfg.source_of('sampling.sampler')}) takes at "
+                          "least 2 (its last step is a step of its own)")  # fmt: skip
 
 
 def _check_alignment(cfg, errors: list[str]) -> None:

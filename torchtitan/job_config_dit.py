@@ -72,14 +72,35 @@ class Sampling:
     steps: int = 50
     """Sampler steps."""
     sampler: str = "default"
-    """'ddim' or 'ddpm' (the ddpm objective), 'euler' or 'heun' (rectified_flow); 'default' picks per objective
-    (ddim, euler). 'ddpm' is ancestral sampling over `steps` respaced timesteps with the learned variance: the DiT
-    paper's sampler (250 steps for its FIDs)."""
+    """'ddim' or 'ddpm' (the ddpm objective), 'euler', 'heun' or 'sde' (rectified_flow); 'default' picks per
+    objective (ddim, euler). 'ddpm' is ancestral sampling over `steps` respaced timesteps with the learned variance:
+    the DiT paper's sampler (250 steps for its FIDs). 'sde' is SiT's and REPA's Euler-Maruyama sampler (the sde_*
+    keys): `steps` model evaluations, the last one a deterministic step (SiT's and REPA's FIDs: 250)."""
     cfg_scale: float = 1.0
     """Classifier-free guidance scale (1: off)."""
     guidance_channels: int = -1
     """Output channels the guidance applies to, the first ones (-1: all, the standard guidance). 3 on 4-channel
     latents reproduces facebookresearch/DiT's forward_with_cfg, with which its published FIDs were sampled."""
+    guidance_low: float = 0.0
+    """rectified_flow: guidance only at the steps that start at a t (1: noise, 0: data; after the timestep shift)
+    with guidance_low <= t <= guidance_high, the conditional model alone at the others (REPA's guidance_low and
+    guidance_high: its FIDs guide below t = 0.7). LightningDiT's cfg_interval_start s is guidance_high = 1 - s."""
+    guidance_high: float = 1.0
+    """rectified_flow: the top of the guidance interval (see guidance_low)."""
+    timestep_shift: float = 1.0
+    """rectified_flow's ODE samplers ('euler', 'heun'): the time grid t_k = 1 - k / steps moved to
+    t_k / (shift + (1 - shift) t_k), LightningDiT's timestep_shift (its configs: 0.3, more steps near the noise;
+    SD3's shift is 1 / this). 1: none."""
+    sde_diffusion_form: str = "sigma"
+    """The 'sde' sampler's diffusion coefficient w(t) in dx = [v - w score] dt + sqrt(2 w) dW, SiT's names:
+    'sigma' and 'linear' (norm * t: SiT's default, REPA's) or 'decreasing' ((1 - norm cos(pi t))^2 / 4)."""
+    sde_diffusion_norm: float = 1.0
+    """The 'sde' sampler's scale of w(t) (SiT's diffusion_norm)."""
+    sde_last_step: str = "mean"
+    """The 'sde' sampler's last step, from t = sde_last_step_size to 0, SiT's: 'mean' (the drift without noise;
+    REPA's), 'euler' (the ODE's velocity) or 'tweedie' (to E[x0 | x_t])."""
+    sde_last_step_size: float = 0.04
+    """Where the 'sde' sampler's stochastic steps end and its last step starts (SiT's default and REPA's 0.04)."""
     seed: int = 0
     """Seed of the fixed sampling noise."""
 

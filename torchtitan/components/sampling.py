@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from torchtitan.config_validation import ConfigError
-from torchtitan.diffusion import sample_images
+from torchtitan.diffusion import sample_images, sampler_options
 from torchtitan.tools.images import save_image_grid
 from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import rank0_error
@@ -92,7 +92,7 @@ class SampleWriter:
         with compute_context():
             samples = sample_images(self.diffusion, model, noise, y, s.steps, s.sampler, s.cfg_scale,
                                     args.num_classes, clip_denoised=not self.latent_space,
-                                    guidance_channels=s.guidance_channels)  # fmt: skip
+                                    guidance_channels=s.guidance_channels, **sampler_options(s))  # fmt: skip
         return samples, y
 
     def _save(self, samples: torch.Tensor, labels: torch.Tensor | None, step: int) -> None:

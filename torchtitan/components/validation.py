@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan.config_validation import ConfigError, at
-from torchtitan.diffusion import batch_noise, labels_for, sample_images
+from torchtitan.diffusion import batch_noise, labels_for, sample_images, sampler_options
 from torchtitan.tools.adm_metrics import IS_SPLIT_SIZE as ADM_SPLIT_SIZE  # compute_inception_score's split_size
 from torchtitan.tools.adm_metrics import class_probabilities
 from torchtitan.tools.fid import build_inception, frechet_distance, inception_features, load_statistics
@@ -263,7 +263,8 @@ class FIDValidator:
             with compute_context():
                 x = sample_images(self.diffusion, model, noise.to(self.device), y, v.fid_sampling_steps, s.sampler,
                                   v.fid_cfg_scale, a.num_classes, clip_denoised=not self.latent_space,
-                                  guidance_channels=s.guidance_channels, generator=generator)  # fmt: skip
+                                  guidance_channels=s.guidance_channels, generator=generator,
+                                  **sampler_options(s))  # fmt: skip
             if batch is None:
                 continue
             if self.latent_space:

@@ -3,20 +3,25 @@
 Models never know which objective trains them: both objectives call model(x_t, t, y).
 """
 
+import math
+
 import torch
 
 from torchtitan.diffusion.ddpm import GaussianDiffusion, ModelFn
-from torchtitan.diffusion.rectified_flow import RectifiedFlow
+from torchtitan.diffusion.rectified_flow import RectifiedFlow, SDESettings
 
 __all__ = [
     "GaussianDiffusion",
     "RectifiedFlow",
+    "SDESettings",
     "batch_noise",
     "build_diffusion",
+    "check_sampler",
     "drop_labels",
     "guided",
     "labels_for",
     "sample_images",
+    "sampler_options",
     "validation_timesteps",
 ]
 
@@ -92,6 +97,49 @@ def labels_for(num: int, classes: list[int], num_classes: int) -> torch.Tensor |
     return torch.tensor(classes)[torch.arange(num) % len(classes)]
 
 
+def sampler_options(sampling) -> dict:
+    """sample_images' keyword arguments that a `[sampling]` section sets besides the sampler, steps and guidance
+    scale: the guidance interval, the timestep shift and the SDE's settings (sample grids, the FID while training and
+    sample.py sample alike)."""
+    return {
+        "guidance_interval": (sampling.guidance_low, sampling.guidance_high),
+        "timestep_shift": sampling.timestep_shift,
+        "sde": SDESettings(
+            sampling.sde_diffusion_form,
+            sampling.sde_diffusion_norm,
+            sampling.sde_last_step,
+            sampling.sde_last_step_size,
+        ),  # fmt: skip
+    }
+
+
+def check_sampler(diffusion, sampler: str, steps: int, guidance_interval=(0.0, 1.0), timestep_shift: float = 1.0):
+    """Raises ValueError, naming the `[sampling]` key, for a sampler or setting the objective cannot sample with."""
+    low, high = guidance_interval
+    if isinstance(diffusion, GaussianDiffusion):
+        if sampler not in ("default", "ddim", "ddpm"):
+            raise ValueError(f"sampling.sampler = {sampler!r}: DDPM samples with 'ddim' or 'ddpm'")
+        if (low, high) != (0.0, 1.0) or timestep_shift != 1.0:
+            raise ValueError(f"sampling.guidance_low, guidance_high = {low}, {high} and sampling.timestep_shift = "
+                             f"{timestep_shift}: rectified flow's; DDPM guides every step of its own grid (0, 1 "
+                             "and 1)")  # fmt: skip
+        return
+    if sampler not in ("default", "euler", "heun", "sde"):
+        hint = " ('ddim' and 'ddpm' are the DDPM objective's)" if sampler in ("ddim", "ddpm") else ""
+        raise ValueError(f"sampling.sampler = {sampler!r}: rectified flow samples with 'euler', 'heun' or "
+                         f"'sde'{hint}")  # fmt: skip
+    if not 0 <= low < high <= 1:
+        raise ValueError(f"sampling.guidance_low, guidance_high = {low}, {high}: must have 0 <= low < high <= 1")
+    if not (math.isfinite(timestep_shift) and timestep_shift > 0):
+        raise ValueError(f"sampling.timestep_shift = {timestep_shift}: must be a finite number > 0 (1: none)")
+    if sampler == "sde" and timestep_shift != 1.0:
+        raise ValueError(f"sampling.timestep_shift = {timestep_shift}: the ODE samplers' ('euler', 'heun'); the "
+                         "'sde' sampler steps evenly, as SiT's and REPA's")  # fmt: skip
+    if sampler == "sde" and steps < 2:
+        raise ValueError(f"sampling.steps = {steps}: the 'sde' sampler takes at least 2 (its last step is a "
+                         "step of its own)")  # fmt: skip
+
+
 def sample_images(
     diffusion,
     model: ModelFn,
@@ -104,25 +152,30 @@ def sample_images(
     clip_denoised: bool = False,
     guidance_channels: int = -1,
     generator: torch.Generator | None = None,
+    *,
+    guidance_interval: tuple[float, float] = (0.0, 1.0),
+    timestep_shift: float = 1.0,
+    sde: SDESettings | None = None,
 ) -> torch.Tensor:
-    """Runs the objective's sampler ('ddim' or 'ddpm' for DDPM, 'euler'/'heun' for flow) with optional CFG on the
-    first `guidance_channels` channels of the model's output (-1: all; 3: facebookresearch/DiT's `forward_with_cfg`).
-    `generator` draws the step noise of the stochastic 'ddpm' sampler (None: the global RNG, as the reference)."""
+    """Runs the objective's sampler ('ddim' or 'ddpm' for DDPM; 'euler', 'heun' or 'sde' for flow) with optional CFG
+    on the first `guidance_channels` channels of the model's output (-1: all; 3: facebookresearch/DiT's
+    `forward_with_cfg`). `generator` draws the step noise of the stochastic samplers, 'ddpm' and 'sde' (None: the
+    global RNG, as the references). The flow's samplers also take a guidance interval, outside of which the steps
+    run the conditional model alone, a timestep shift (the ODE's) and the SDE's settings (`RectifiedFlow.sample`)."""
+    check_sampler(diffusion, sampler, steps, guidance_interval, timestep_shift)
+    unguided = None
     if cfg_scale != 1.0 and y is not None:
         channels = noise.shape[1] if guidance_channels < 0 else guidance_channels
         if not 0 < channels <= noise.shape[1]:
             raise ValueError(f"guidance on {guidance_channels} channels of a {noise.shape[1]}-channel model")
-        model = guided(model, cfg_scale, null_class, channels)
+        unguided, model = model, guided(model, cfg_scale, null_class, channels)
     if isinstance(diffusion, GaussianDiffusion):
         if sampler == "ddpm":  # ancestral, over respaced timesteps: the DiT paper's sampler
             return diffusion.ddpm_sample(model, noise, y, steps, clip_denoised, generator)
-        if sampler not in ("default", "ddim"):
-            raise ValueError(f"sampling.sampler = {sampler!r}: DDPM samples with 'ddim' or 'ddpm'")
         return diffusion.ddim_sample(model, noise, y, steps, clip_denoised)
-    if sampler not in ("default", "euler", "heun"):
-        hint = " ('ddim' and 'ddpm' are the DDPM objective's)" if sampler in ("ddim", "ddpm") else ""
-        raise ValueError(f"sampling.sampler = {sampler!r}: rectified flow samples with 'euler' or 'heun'{hint}")
-    return diffusion.sample(model, noise, y, steps, "euler" if sampler == "default" else sampler)
+    return diffusion.sample(model, noise, y, steps, "euler" if sampler == "default" else sampler, unguided=unguided,
+                            guidance_interval=guidance_interval, timestep_shift=timestep_shift, sde=sde,
+                            generator=generator)  # fmt: skip
 
 
 def validation_timesteps(diffusion, count: int = 8) -> torch.Tensor:

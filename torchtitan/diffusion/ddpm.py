@@ -13,6 +13,15 @@ import torch
 ModelFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
+def step_noise_like(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """A stochastic sampler's step noise, standard normal like `x`: from `generator` (drawn on its device, then
+    moved), so that a batch need not depend on what ran before it, or from the global RNG as the references draw it
+    (`torch.randn_like`) when None."""
+    if generator is None:
+        return torch.randn_like(x)
+    return torch.randn(x.shape, generator=generator, device=generator.device).to(x.device)
+
+
 def _betas(schedule: str, num_timesteps: int) -> torch.Tensor:
     if schedule == "linear":
         scale = 1000 / num_timesteps  # keeps the schedule's endpoints for other step counts, as ADM
@@ -260,10 +269,7 @@ class GaussianDiffusion:
             t = torch.full((x.shape[0],), kept[i], device=x.device, dtype=torch.long)
             out = model(x, t, y).float()
             mean, _ = self._p_mean(out[:, :C], x, lambda name, i=i: table[name][i], clip_denoised)
-            if generator is None:
-                step_noise = torch.randn_like(x)
-            else:
-                step_noise = torch.randn(x.shape, generator=generator, device=generator.device).to(x.device)
+            step_noise = step_noise_like(x, generator)
             if i == 0:  # the last step adds no noise (a one-step chain has no variance table to read)
                 x = mean
                 continue

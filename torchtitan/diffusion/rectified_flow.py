@@ -16,17 +16,57 @@ With prediction "x" the model predicts the clean image x0 and the loss is still 
 and stays finite at t = 0. The samplers integrate the same converted velocity.
 """
 
+import math
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from torchtitan.diffusion.ddpm import ModelFn
+from torchtitan.diffusion.ddpm import ModelFn, step_noise_like
 
 TIME_SCALE = 1000.0
 TIME_INPUTS = ("1000t", "t", "1-t")  # diffusion.time_input: what the model reads of our t
+# SiT's diffusion coefficients that its own sampler runs on the linear path of a velocity model ("SBDM" is t / (1 - t)
+# in our t: infinite at the noise, where it starts; "constant" is a float its step cannot take the square root of;
+# "increasing-decreasing" is misspelled in its own table) and its last steps (sampling.sde_diffusion_form,
+# sampling.sde_last_step).
+SDE_DIFFUSION_FORMS = ("sigma", "linear", "decreasing")
+SDE_LAST_STEPS = ("mean", "tweedie", "euler")
+
+
+@dataclass(frozen=True)
+class SDESettings:
+    """The SDE sampler's settings, SiT's (willisma/SiT, transport `sample_sde`), in our time (t = 1 the noise).
+
+    diffusion_form: the diffusion coefficient w(t): "sigma" and "linear", norm * t (the noise's coefficient on
+        the linear path; SiT's default, and REPA's fixed 2t = 2 w), or "decreasing", (1 - norm cos(pi t))^2 / 4.
+    diffusion_norm: its scale (SiT's `diffusion_norm`).
+    last_step: "mean", "tweedie" or "euler" (SiT's names; `RectifiedFlow._sde`).
+    last_step_size: where the stochastic steps stop and the last step starts (REPA's fixed 0.04, SiT's default).
+    """
+
+    diffusion_form: str = "sigma"
+    diffusion_norm: float = 1.0
+    last_step: str = "mean"
+    last_step_size: float = 0.04
+
+    def __post_init__(self) -> None:
+        if self.diffusion_form not in SDE_DIFFUSION_FORMS:
+            raise ValueError(f"sampling.sde_diffusion_form = {self.diffusion_form!r}: must be one of "
+                             f"{list(SDE_DIFFUSION_FORMS)}")  # fmt: skip
+        if self.last_step not in SDE_LAST_STEPS:
+            raise ValueError(f"sampling.sde_last_step = {self.last_step!r}: must be one of {list(SDE_LAST_STEPS)}")
+
+    def diffusion(self, t: float) -> float:
+        """w(t) at our t (SiT's time is 1 - t)."""
+        if self.diffusion_form == "decreasing":
+            return 0.25 * (self.diffusion_norm * math.cos(math.pi * (1 - t)) + 1) ** 2
+        return self.diffusion_norm * t
 
 
 class RectifiedFlow:
-    """Velocity loss (one value per sample) and Euler/Heun samplers; the model predicts v, or x0 ("x", JiT)."""
+    """Velocity loss (one value per sample) and ODE (Euler, Heun) and SDE samplers; the model predicts v, or x0
+    ("x", JiT)."""
 
     def __init__(self, timestep_sampling: str = "uniform", logit_mean: float = 0.0, logit_std: float = 1.0,
                  prediction: str = "velocity", x_prediction_t_min: float = 0.05, time_input: str = "1000t",
@@ -105,8 +145,27 @@ class RectifiedFlow:
         self.output_losses = torch.compile(self.output_losses)
 
     @torch.no_grad()
-    def sample(self, model: ModelFn, noise: torch.Tensor, y, steps: int = 50, method: str = "euler"):
-        """Integrates dx/dt = v from t = 1 (noise) to t = 0 with Euler or Heun steps.
+    def sample(self, model: ModelFn, noise: torch.Tensor, y, steps: int = 50, method: str = "euler", *,
+               unguided: ModelFn | None = None, guidance_interval: tuple[float, float] = (0.0, 1.0),
+               timestep_shift: float = 1.0, sde: SDESettings | None = None,
+               generator: torch.Generator | None = None) -> torch.Tensor:  # fmt: skip
+        """Integrates from t = 1 (noise) to t = 0: the ODE dx/dt = v with Euler or Heun steps, or the SDE (`_sde`).
+
+        Args:
+            model: the (guided) model, called as model(x_t, model time, y).
+            noise: the starting noise (B, C, H, W).
+            y: labels (B,) or None.
+            steps: the ODE's steps; the SDE's model evaluations (`_sde`).
+            method: "euler", "heun" or "sde".
+            unguided: the model without guidance, called at the steps that start outside `guidance_interval`; None:
+                `model` at every step.
+            guidance_interval: (low, high): `model` at a step whose start t has low <= t <= high, `unguided` at the
+                others, for the whole step (Heun's second evaluation too), as REPA's samplers.py decides it. Its
+                `guidance_high` is 1 - LightningDiT's `cfg_interval_start` (its time runs the other way).
+            timestep_shift: the ODE's grid t_k = 1 - k / steps moved to t_k / (shift + (1 - shift) t_k):
+                LightningDiT's `timestep_shift` (below 1: more steps near the noise; SD3's shift is 1 / this).
+            sde: the SDE's settings (None: SiT's defaults).
+            generator: draws the SDE's step noise (`step_noise_like`); None: the global RNG, as the references.
 
         Under x-prediction v is the floored conversion of training, as JiT samples: a step that starts at t < t_min
         moves x only (t - t_next) / t_min of the way towards x0_hat instead of (t - t_next) / t, so a grid with steps
@@ -114,18 +173,49 @@ class RectifiedFlow:
         """
         x = noise.float()
         C = x.shape[1]
-        times = torch.linspace(1.0, 0.0, steps + 1).tolist()
+        low, high = guidance_interval
 
-        def velocity(x, t):
-            out = model(x, torch.full((x.shape[0],), self.model_time(t), device=x.device), y).float()[:, :C]
+        def velocity(x: torch.Tensor, t: float, guide: bool) -> torch.Tensor:
+            fn = model if guide or unguided is None else unguided
+            out = fn(x, torch.full((x.shape[0],), self.model_time(t), device=x.device), y).float()[:, :C]
             return self.velocity(out, x, torch.full((x.shape[0],), t, device=x.device))
 
+        if method == "sde":
+            return self._sde(velocity, x, steps, lambda t: low <= t <= high, sde or SDESettings(), generator)
+        times = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64)
+        times = (times / (timestep_shift + (1 - timestep_shift) * times)).tolist()
         for t, t_next in zip(times[:-1], times[1:]):
             dt = t_next - t
-            v = velocity(x, t)
+            guide = low <= t <= high
+            v = velocity(x, t, guide)
             if method == "heun" and t_next > 0:
                 # Heun: average the slope at both ends (skipped on the last step, as EDM does).
                 x_euler = x + dt * v
-                v = 0.5 * (v + velocity(x_euler, t_next))
+                v = 0.5 * (v + velocity(x_euler, t_next, guide))
             x = x + dt * v
         return x
+
+    def _sde(self, velocity, x: torch.Tensor, steps: int, guide, settings: SDESettings, generator) -> torch.Tensor:
+        """Euler-Maruyama on the reverse SDE dx = [v - w(t) score] dt + sqrt(2 w(t)) dW from t = 1 to
+        `last_step_size`, then one last step to t = 0, as SiT's transport (`sample_sde`, Euler) and REPA's
+        `euler_maruyama_sampler` take them: `steps` model evaluations, steps - 1 of them stochastic on an even grid.
+
+        The score of the linear path is ((t - 1) v - x) / t. The step noise is drawn before each model call, as both
+        references draw it. The last step (`last_step`): "mean", the SDE's drift without its noise (REPA's, SiT's
+        default); "euler", the ODE's; "tweedie", straight to E[x0 | x_t] = (x + t^2 score) / (1 - t).
+        """
+        times = torch.linspace(1.0, settings.last_step_size, steps, dtype=torch.float64).tolist()
+        for t, t_next in zip(times[:-1], times[1:]):
+            dt = t_next - t  # < 0: towards the data
+            step_noise = step_noise_like(x, generator)
+            v = velocity(x, t, guide(t))
+            w = settings.diffusion(t)
+            x = x + dt * (v - w * ((t - 1) * v - x) / t) + math.sqrt(2 * w * -dt) * step_noise
+        t = times[-1]
+        v = velocity(x, t, guide(t))
+        score = ((t - 1) * v - x) / t
+        if settings.last_step == "euler":
+            return x - t * v
+        if settings.last_step == "tweedie":
+            return (x + t * t * score) / (1 - t)
+        return x - t * (v - settings.diffusion(t) * score)
