@@ -49,6 +49,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -56,10 +57,15 @@ import torch
 import torch.distributed as dist
 
 from torchtitan.config_manager import JobConfig
-from torchtitan.diffusion import batch_noise, build_diffusion, labels_for, sample_images
+from torchtitan.config_validation import value_problem
+from torchtitan.diffusion import batch_noise, build_diffusion, check_sampler, labels_for, sample_images, sampler_options
 from torchtitan.models.dit.weights import load_model, resolve_checkpoint
 from torchtitan.tools.images import save_image_grid, to_uint8_nhwc
 from torchtitan.tools.logging import init_logger, logger
+
+# Flags that stand for the [sampling] key of the same name (over the run's config).
+SAMPLING_FLAGS = ("guidance_low", "guidance_high", "timestep_shift", "sde_diffusion_form", "sde_diffusion_norm",
+                  "sde_last_step", "sde_last_step_size")  # fmt: skip
 
 
 class Sampler:
@@ -77,6 +83,10 @@ class Sampler:
         if self.guidance_channels > model_args.in_channels:
             raise ValueError(f"--guidance-channels {self.guidance_channels}: the model has {model_args.in_channels} "
                              "channel(s)")  # fmt: skip
+        given = {key: getattr(args, key, None) for key in SAMPLING_FLAGS}  # the flags over the run's [sampling]
+        self.options = sampler_options(replace(cfg.sampling, **{k: v for k, v in given.items() if v is not None}))
+        check_sampler(self.diffusion, self.sampler, self.steps, self.options["guidance_interval"],
+                      self.options["timestep_shift"])  # fmt: skip
         self.seed = args.seed
         self.autocast = device.type == "cuda"
         if cfg.latent.tokenizer:
@@ -96,7 +106,8 @@ class Sampler:
         with torch.autocast(self.device.type, torch.bfloat16, enabled=self.autocast):
             x = sample_images(self.diffusion, self.model, noise, y, self.steps, self.sampler, self.cfg_scale,
                               a.num_classes, clip_denoised=not latent,
-                              guidance_channels=self.guidance_channels, generator=generator)  # fmt: skip
+                              guidance_channels=self.guidance_channels, generator=generator,
+                              **self.options)  # fmt: skip
         if latent:
             from torchtitan.datasets.tokenizers import decode_for_training
 
@@ -170,8 +181,20 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--guidance-channels", type=int, default=None,
                         help="guide the first N output channels (-1: all; 3: facebookresearch/DiT's sample.py; "
                              "default: the run's sampling.guidance_channels)")  # fmt: skip
-    parser.add_argument("--sampler", default="", choices=("", "default", "ddim", "ddpm", "euler", "heun"),
+    parser.add_argument("--sampler", default="", choices=("", "default", "ddim", "ddpm", "euler", "heun", "sde"),
                         help="default: the run's sampling.sampler")  # fmt: skip
+    flow = parser.add_argument_group("rectified flow's samplers (default: the run's [sampling] key of the same name)")
+    flow.add_argument("--guidance-low", type=float, help="guide only the steps starting at t >= this (1: noise)")
+    flow.add_argument(
+        "--guidance-high",
+        type=float,
+        help="... and t <= this (REPA's FIDs: 0.7; LightningDiT's cfg_interval_start s: 1 - s)",
+    )
+    flow.add_argument("--timestep-shift", type=float, help="the ODE's grid shift, LightningDiT's (its configs: 0.3)")
+    flow.add_argument("--sde-diffusion-form", help="'sigma', 'linear' or 'decreasing' (SiT's)")
+    flow.add_argument("--sde-diffusion-norm", type=float, help="the SDE's diffusion scale (SiT's)")
+    flow.add_argument("--sde-last-step", help="'mean', 'tweedie' or 'euler' (SiT's)")
+    flow.add_argument("--sde-last-step-size", type=float, help="where the SDE's last step starts (0.04)")
     parser.add_argument("--steps", type=int, default=None, help="sampler steps (default: the run's sampling.steps)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=64)
@@ -215,6 +238,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--cfg-scale {args.cfg_scale}: must be a finite number (1: no guidance)")
     if args.guidance_channels is not None and not (args.guidance_channels == -1 or args.guidance_channels >= 1):
         raise ValueError(f"--guidance-channels {args.guidance_channels}: must be -1 (all) or >= 1")
+    for key in SAMPLING_FLAGS:  # checked as the config's keys are
+        value = getattr(args, key)
+        if value is not None and (problem := value_problem(f"sampling.{key}", value)):
+            raise ValueError(f"--{key.replace('_', '-')} {value}: {problem}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -101,6 +101,16 @@ def test_run_folder_prefers_ema_safetensors(digits_run, tmp_path):
         (["--batch-size", "-1"], "--batch-size -1: must be > 0"),
         (["--classes", "1,x"], "--classes '1,x': must be comma-separated class indices"),
         (["--guidance-channels", "0"], "--guidance-channels 0: must be -1 (all) or >= 1"),
+        (["--guidance-high", "1.5"], "--guidance-high 1.5: must be in [0, 1]"),
+        (["--timestep-shift", "0"], "--timestep-shift 0.0: must be > 0"),
+        (["--sde-last-step", "Mean"], "--sde-last-step Mean: must be one of ['mean', 'tweedie', 'euler']"),
+        (["--sde-diffusion-form", "SBDM"], "--sde-diffusion-form SBDM: must be one of ['sigma', 'linear', 'decr"),
+        (["--sde-diffusion-norm", "nan"], "--sde-diffusion-norm nan: must be a finite number"),
+        (["--sde-last-step-size", "1"], "--sde-last-step-size 1.0: must be in (0, 1)"),
+        # Settings that do not go together, over the run's config (rectified flow, Euler): refused before sampling.
+        (["--guidance-low", "0.6", "--guidance-high", "0.4"], "sampling.guidance_low, guidance_high = 0.6, 0.4: must"),
+        (["--sampler", "sde", "--timestep-shift", "0.3"], "sampling.timestep_shift = 0.3: the ODE samplers'"),
+        (["--sampler", "sde", "--steps", "1"], "sampling.steps = 1: the 'sde' sampler takes at least 2"),
     ],
 )
 def test_bad_arguments_name_the_flag(digits_run, tmp_path, capsys, flags, message):
@@ -108,6 +118,32 @@ def test_bad_arguments_name_the_flag(digits_run, tmp_path, capsys, flags, messag
     err = capsys.readouterr().err
     assert err.splitlines()[-1].startswith(f"error: {message}"), err
     assert "Traceback" not in err and not (tmp_path / "x.png").exists()  # no black or empty grid
+
+
+def test_flow_sampler_flags_reach_the_sampler(digits_run):
+    """The flags of rectified flow's samplers, over the run's [sampling]: a batch is sample_images' with them (the
+    batch's own generator drawing the SDE's step noise), and not the one without them."""
+    from torchtitan.diffusion import SDESettings, batch_noise, sample_images
+
+    cpu, labels = torch.device("cpu"), torch.tensor([3, 7])
+    cfg, weights = sample.resolve_checkpoint(digits_run)
+    model, model_args = sample.load_model(cfg, weights, cpu)
+    flags = ["--checkpoint", str(digits_run), "--sampler", "sde", "--steps", "4", "--cfg-scale", "3", "--seed", "2",
+             "--guidance-low", "0.2", "--guidance-high", "0.6", "--sde-diffusion-form", "decreasing",
+             "--sde-diffusion-norm", "0.5", "--sde-last-step", "tweedie", "--sde-last-step-size", "0.1"]  # fmt: skip
+    sampler = sample.Sampler(cfg, model, model_args, cpu, sample.parse(flags))
+    options = dict(guidance_interval=(0.2, 0.6), timestep_shift=1.0, sde=SDESettings("decreasing", 0.5, "tweedie", 0.1))
+    assert sampler.options == options
+
+    def expected(**options):
+        noise, generator = batch_noise(2, 1, 2, 1, 16)
+        return sample_images(sampler.diffusion, model, noise, labels, 4, "sde", 3.0, 10, clip_denoised=True,
+                             generator=generator, **options).clamp(-1, 1)  # fmt: skip
+
+    images = sampler.batch(1, labels, 2)
+    assert torch.equal(images, expected(**options)) and (images - expected()).abs().max() > 1e-3
+    shifted = sample.Sampler(cfg, model, model_args, cpu, sample.parse([*flags[:2], "--timestep-shift", "0.3"]))
+    assert shifted.options["timestep_shift"] == 0.3 and shifted.options["guidance_interval"] == (0.0, 1.0)
 
 
 def test_several_ranks_need_npz_and_classes_need_a_conditional_model(digits_run, tmp_path, capsys, monkeypatch):
