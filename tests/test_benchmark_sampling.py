@@ -5,8 +5,10 @@ adaLN layer as the reference's), its download.py's `find_model`, and a sample_dd
 that loads the checkpoint strictly into `DiT_models[--model]`, resolves the VAE's files as
 `AutoencoderKL.from_pretrained("stabilityai/sd-vae-ft-ema")` does (huggingface_hub, offline), waits `WARMUP_S`
 (model loading), writes its PNGs a batch every `BATCH_S` into the reference's folder layout, then waits again
-(the .npz). Our side is a stand-in process given sample.py's real arguments, which prints sample.py's line. The VAE
-is a stand-in too (importing diffusers takes about 20 s on CI's CPUs); the slow test builds the real ones.
+(the .npz). REPA's checkout is one too: models/sit.py (SiT_models with its constructor), an empty loss.py and a
+generate.py with its flags that loads the checkpoint's "ema" strictly and writes PNGs the same way. Our side is a
+stand-in process given sample.py's real arguments, which prints sample.py's line. The VAE is a stand-in too
+(importing diffusers takes about 20 s on CI's CPUs); the slow test builds the real ones.
 """
 
 import json
@@ -96,16 +98,103 @@ for b in range(total // n):
 time.sleep({WARMUP_S})  # the .npz, after the last PNG
 """
 
-# Our stand-in: records its arguments, sleeps, and prints sample.py's line (argv[1] says whether) with the exact
-# f-string sample.py uses.
-OURS = """
-import json, sys, time
+# REPA's models/sit.py: SiT_models with its constructor (the projectors of z_dims, block kwargs), a zero-initialized
+# adaLN layer. Its generate.py: its flags, the model built as it builds it, the checkpoint's "ema" loaded strictly,
+# the VAE resolved offline, PNGs a batch every BATCH_S into its folder layout; it records its arguments, the GPU it
+# was given and when it ran.
+REPA_SIT = """
+import torch
+from torch import nn
 
-print_line, argv = sys.argv[1] == "line", sys.argv[2:]
+
+class SiT(nn.Module):
+    def __init__(self, input_size=32, num_classes=1000, use_cfg=False, z_dims=(768,), encoder_depth=8, **block_kwargs):
+        super().__init__()
+        assert set(block_kwargs) == {"fused_attn", "qk_norm"}, block_kwargs  # what its SiTBlock reads
+        self.in_channels = 4
+        self.y_embedder = nn.Embedding(num_classes + int(use_cfg), 8)
+        self.proj = nn.Linear(4 * input_size, 8)
+        self.projectors = nn.ModuleList([nn.Linear(8, z) for z in z_dims])
+        self.adaLN_modulation = nn.Linear(8, 16)
+        nn.init.constant_(self.adaLN_modulation.weight, 0)  # adaLN-Zero, as the reference's
+        nn.init.constant_(self.adaLN_modulation.bias, 0)
+
+
+SiT_models = {"SiT-XL/2": SiT}
+"""
+
+GENERATE = f"""
+import argparse, json, math, os, sys, time
+
+import numpy as np
+import torch
+from huggingface_hub import hf_hub_download
+from PIL import Image
+
+from models.sit import SiT_models
+
+start = time.time()
+parser = argparse.ArgumentParser()
+parser.add_argument("--global-seed", type=int, default=0)
+parser.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=True)
+parser.add_argument("--ckpt", type=str, default=None)
+parser.add_argument("--sample-dir", type=str, default="samples")
+parser.add_argument("--model", type=str, choices=list(SiT_models.keys()), default="SiT-XL/2")
+parser.add_argument("--num-classes", type=int, default=1000)
+parser.add_argument("--encoder-depth", type=int, default=8)
+parser.add_argument("--resolution", type=int, choices=[256, 512], default=256)
+parser.add_argument("--fused-attn", action=argparse.BooleanOptionalAction, default=False)
+parser.add_argument("--qk-norm", action=argparse.BooleanOptionalAction, default=False)
+parser.add_argument("--vae", type=str, choices=["ema", "mse"], default="ema")
+parser.add_argument("--per-proc-batch-size", type=int, default=32)
+parser.add_argument("--num-fid-samples", type=int, default=50_000)
+parser.add_argument("--mode", type=str, default="ode")
+parser.add_argument("--cfg-scale", type=float, default=1.5)
+parser.add_argument("--projector-embed-dims", type=str, default="768,1024")
+parser.add_argument("--path-type", type=str, default="linear", choices=["linear", "cosine"])
+parser.add_argument("--num-steps", type=int, default=50)
+parser.add_argument("--heun", action=argparse.BooleanOptionalAction, default=False)
+parser.add_argument("--guidance-low", type=float, default=0.)
+parser.add_argument("--guidance-high", type=float, default=1.)
+parser.add_argument("--legacy", action=argparse.BooleanOptionalAction, default=False)
+args = parser.parse_args()
+
+model = SiT_models[args.model](input_size=args.resolution // 8, num_classes=args.num_classes, use_cfg=True,
+                               z_dims=[int(z) for z in args.projector_embed_dims.split(",")],
+                               encoder_depth=args.encoder_depth, fused_attn=args.fused_attn, qk_norm=args.qk_norm)
+model.load_state_dict(torch.load(args.ckpt)["ema"])  # strict, weights only, as the reference's
+weights = hf_hub_download(f"stabilityai/sd-vae-ft-{{args.vae}}", "diffusion_pytorch_model.safetensors")
+folder = f"{{args.sample_dir}}/{{args.model.replace('/', '-')}}-{{os.path.basename(args.ckpt).replace('.pt', '')}}-" \\
+         f"size-{{args.resolution}}-vae-{{args.vae}}-cfg-{{args.cfg_scale}}-seed-{{args.global_seed}}-{{args.mode}}"
+os.makedirs(folder, exist_ok=True)
+time.sleep({WARMUP_S})  # model loading
+n = args.per_proc_batch_size
+for b in range(math.ceil(args.num_fid_samples / n)):
+    time.sleep({BATCH_S})  # sampling and decoding a batch
+    for i in range(n):
+        Image.fromarray(np.full((8, 8, 3), b, dtype=np.uint8)).save(f"{{folder}}/{{b * n + i:06d}}.png")
+with open(args.sample_dir + ".record.json", "w") as f:
+    json.dump({{"args": vars(args), "vae_weights": weights, "torchrun": "LOCAL_RANK" in os.environ,
+               "gpu": os.environ.get("CUDA_VISIBLE_DEVICES"), "start": start, "end": time.time()}}, f)
+"""
+
+# Our stand-in: records its arguments, the GPU it was given and when it ran, sleeps (argv[1] "wait=FOLDER": until a
+# PNG is in FOLDER, 60 s at most), and prints sample.py's line (unless argv[1] is "none") with the exact f-string
+# sample.py uses.
+OURS = """
+import json, os, pathlib, sys, time
+
+mode, argv = sys.argv[1], sys.argv[2:]
+print_line = mode != "none"
 start = time.perf_counter()
+began = time.time()
 time.sleep(1.0)
+while mode.startswith("wait=") and not any(pathlib.Path(mode[5:]).rglob("*.png")) and time.time() < began + 60:
+    time.sleep(0.05)
 npz = argv[argv.index("--npz") + 1]
 open(npz + ".argv.json", "w").write(json.dumps(argv))
+open(npz + ".run.json", "w").write(json.dumps({"gpu": os.environ.get("CUDA_VISIBLE_DEVICES"), "start": began,
+                                               "end": time.time()}))
 if print_line:
     n, seconds, rate = 6, 0.5, 12.0
     print(f"sampling: {n} images after the first batch in {seconds:.2f} s: {rate:.2f} images/s", file=sys.stderr)
@@ -132,6 +221,14 @@ def write_reference(folder: Path, sample_ddp: bool = True) -> Path:
     (folder / "download.py").write_text(DOWNLOAD)
     if sample_ddp:
         (folder / "sample_ddp.py").write_text(SAMPLE_DDP)
+    return folder
+
+
+def write_repa(folder: Path) -> Path:
+    (folder / "models").mkdir(parents=True)
+    (folder / "models" / "sit.py").write_text(REPA_SIT)
+    (folder / "loss.py").write_text("")
+    (folder / "generate.py").write_text(GENERATE)
     return folder
 
 
@@ -306,3 +403,76 @@ print("ok")
     env = bench.hub_env(tmp_path / "hf")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.splitlines()[-1] == "ok", proc.stderr[-3000:]
+
+
+def test_repa_generate_and_ours_each_on_its_own_gpu_at_once(stand_ins, tmp_path, capsys, monkeypatch):
+    """--reference-repa with --gpus 0,1: REPA's generate.py (its README's setting: SDE, 1.8 guided at t <= 0.7, one
+    768-wide projector) on GPU 0 and ours with the same sampler, steps, guidance and batch on GPU 1, at the same time
+    (ours waits for the reference's first PNG: one after the other, it would wait in vain or start after the
+    reference ended); the reference's rate from its PNGs as sample_ddp.py's."""
+    work, out = tmp_path / "work", tmp_path / "rows.json"
+    stand_in = bench.ours_command
+    waiting = lambda *args: [*stand_in(*args)[:3], f"wait={work / 'reference_samples'}", *stand_in(*args)[4:]]  # noqa: E731
+    monkeypatch.setattr(bench, "ours_command", waiting)
+    repa = write_repa(tmp_path / "ref_repa")
+    argv = ["--reference-repa", str(repa), "--num-samples", "8", "--batch", "2", "--steps", "3", "--gpus", "0,1",
+            "--keep-work", str(work), "--json-out", str(out), "--ours-extra", "--print-line.x 1"]  # fmt: skip
+    assert bench.main(argv) == 0
+    stdout = capsys.readouterr().out
+    reference, ours = json.loads(out.read_text())
+    assert reference["name"] == "reference_generate" and reference["status"] == ours["status"] == "ok"
+    assert reference["timing"] == "png_mtime" and reference["images"] == 8 and reference["timed_images"] == 6
+    assert reference["images_per_second"] == pytest.approx(2 / BATCH_S, rel=0.1)
+    assert ours["ratio_to_reference"] == pytest.approx(12.0 / reference["images_per_second"])
+    for row in (reference, ours):
+        assert (row["mode"], row["heun"], row["steps"], row["batch"], row["cfg_scale"]) == ("sde", False, 3, 2, 1.8)
+        assert (row["guidance_low"], row["guidance_high"]) == (0.0, 0.7)
+    assert "| reference_generate |" in stdout and "| ours_sample_py | 12.00 | 2 | 3 |" in stdout
+
+    record = json.loads((work / "reference_samples.record.json").read_text())
+    checkpoint = work / "repa-SiT-XL-2-random.pt"
+    assert record["torchrun"] and record["gpu"] == "0" and not record["args"]["fused_attn"]
+    assert record["args"] | {"ckpt": str(checkpoint), "mode": "sde", "num_steps": 3, "heun": False, "cfg_scale": 1.8,
+                             "guidance_low": 0.0, "guidance_high": 0.7, "per_proc_batch_size": 2,
+                             "num_fid_samples": 8, "projector_embed_dims": "768", "encoder_depth": 8,
+                             "path_type": "linear", "vae": "ema"} == record["args"]  # fmt: skip
+    state = torch.load(checkpoint, weights_only=True)["ema"]  # what generate.py reads, loaded there strictly
+    assert "projectors.0.weight" in state and all(t.any() for t in state.values())
+
+    argv = json.loads((work / "ours.npz.argv.json").read_text())
+    flags = dict(zip(argv[::2], argv[1::2]))
+    assert {k: flags[k] for k in ("--checkpoint", "--flavor", "--steps", "--cfg-scale", "--batch-size", "--sampler",
+                                  "--guidance-channels", "--guidance-low", "--guidance-high")} == {
+        "--checkpoint": str(checkpoint), "--flavor": "SiT-XL/2", "--steps": "3", "--cfg-scale": "1.8",
+        "--batch-size": "2", "--sampler": "sde", "--guidance-channels": "-1", "--guidance-low": "0.0",
+        "--guidance-high": "0.7"}  # fmt: skip
+    run = json.loads((work / "ours.npz.run.json").read_text())
+    assert run["gpu"] == "1" and run["start"] < record["end"] and record["start"] < run["end"]  # at the same time
+    assert run["end"] - run["start"] < 30  # it saw the reference's PNGs
+
+
+def test_repa_ode_maps_to_our_euler_and_heun(tmp_path):
+    """--mode ode is our 'euler', with --heun our 'heun' (REPA's heun: 2 N - 1 model calls, ours too)."""
+    repa = tmp_path / "ref_repa"
+    for flags, sampler in ((["--mode", "ode"], "euler"), (["--mode", "ode", "--heun"], "heun"), ([], "sde")):
+        args = bench.parse_args(["--reference-repa", str(repa), *flags, "--guidance-high", "0.6"])
+        reference = bench.reference_command(args, tmp_path / "c.pt", tmp_path / "s")
+        assert bench.ours_sampler_flags(args)[:4] == ["--guidance-channels", "-1", "--sampler", sampler]
+        assert ("--heun" in reference) == (sampler == "heun") and ("--no-heun" in reference) == (sampler != "heun")
+        assert reference[reference.index("--mode") + 1] == (flags[1] if flags else "sde")
+        assert reference[reference.index("--guidance-high") + 1] == "0.6"
+
+
+def test_bad_repa_settings_exit_2_naming_the_flag(tmp_path, capsys):
+    dit, repa = str(write_reference(tmp_path / "ref_dit")), str(write_repa(tmp_path / "ref_repa"))
+    for argv, named in [(["--reference-dit", dit, "--guidance-high", "0.7"], "--guidance-high: REPA's generate.py"),
+                        (["--reference-dit", dit, "--heun"], "--heun: REPA's generate.py settings"),
+                        (["--reference-repa", repa, "--heun"], "--heun: REPA's ODE (--mode ode)"),
+                        (["--reference-repa", repa, "--guidance-low", "0.8"], "--guidance-low 0.8 --guidance-high 0.7"),
+                        (["--reference-repa", repa, "--gpus", "0"], "--gpus '0': two different GPUs"),
+                        (["--reference-repa", repa, "--gpus", "1,1"], "--gpus '1,1'"),
+                        (["--reference-repa", repa, "--model", "SiT-B/2"], "--model 'SiT-B/2' is not in the "),
+                        (["--reference-repa", str(tmp_path / "none")], "--reference-repa")]:  # fmt: skip
+        assert bench.main(argv) == 2
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.startswith("error: ") and named in line, line
