@@ -12,11 +12,12 @@ import sys
 
 import torch
 
-from torchtitan.components.checkpoint import CheckpointLoadError, CheckpointSaveError, NonFiniteStateError
+from torchtitan.components.checkpoint import CheckpointSaveError, NonFiniteStateError
 from torchtitan.components.run_lock import RunFolderError
 from torchtitan.components.step_guard import NonFiniteStepError
-from torchtitan.config_manager import ConfigError, parse_args
+from torchtitan.config_manager import parse_args
 from torchtitan.datasets.imagefolder import UnreadableImageError
+from torchtitan.errors import CheckpointLoadError, ConfigError
 from torchtitan.tools.logging import init_logger, logger
 from torchtitan.trainer import Trainer
 

@@ -22,13 +22,12 @@ from torchtitan.tools.batch_size_finder import (  # noqa: E402
     Probe,
     ProbeFailed,
     benchmark_probe,
-    device_memory_bytes,
     estimated_start,
     find_max_batch_size,
     find_max_local_batch_size,
 )
 
-__all__ = ["Probe", "ProbeFailed", "benchmark_probe", "device_memory_bytes", "estimated_start",
+__all__ = ["Probe", "ProbeFailed", "benchmark_probe", "estimated_start",
            "find_max_batch_size", "find_max_local_batch_size", "main"]  # fmt: skip
 
 

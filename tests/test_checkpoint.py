@@ -145,8 +145,8 @@ def test_a_resume_with_other_model_args_is_refused_by_key(run_folder, monkeypatc
     """Every checkpoint records the model args that built it (here the trainer's own); a resume whose model would
     differ is refused naming the key that sets the arg (model.flavor when no key does: a flavor's numerics, as a
     release could change them) and both values."""
-    from torchtitan.components.checkpoint import ResumeRefusedError
     from torchtitan.config_manager import parse_args
+    from torchtitan.errors import ResumeRefusedError
     from torchtitan.models.dit import dit_configs
     from torchtitan.train_spec import build_model_args, get_train_spec
 
@@ -285,8 +285,8 @@ def test_an_initial_load_path_gives_the_starting_weights_with_saving_off(tmp_pat
 
 
 def test_llama3_model_args_are_recorded_and_a_changed_head_is_refused(tmp_path):
-    from torchtitan.components.checkpoint import ResumeRefusedError
     from torchtitan.components.checkpoint_model_args import read_model_args
+    from torchtitan.errors import ResumeRefusedError
     from torchtitan.models.llama3 import Llama3Args
     from torchtitan.models.llama3.model import RopeScaling
     from torchtitan.train_spec import get_train_spec
@@ -304,7 +304,7 @@ def test_llama3_model_args_are_recorded_and_a_changed_head_is_refused(tmp_path):
 
 
 def test_a_hugging_face_folder_without_its_format_is_called_that(tmp_path):
-    from torchtitan.components.checkpoint import CheckpointLoadError
+    from torchtitan.errors import CheckpointLoadError
 
     folder = tmp_path / "Llama-3.2-1B"
     folder.mkdir()
@@ -337,7 +337,7 @@ class Record:
 def test_extras_refusals_and_entries_an_older_checkpoint_lacks(tmp_path):
     """`foreign` refuses by name (and tries no older checkpoint); an extra's `optional_keys` load from a checkpoint
     written before they existed, its other entries are required."""
-    from torchtitan.components.checkpoint import CheckpointLoadError, ResumeRefusedError
+    from torchtitan.errors import CheckpointLoadError, ResumeRefusedError
 
     model = torch.nn.Linear(3, 2)
     writer = manager_of(tmp_path, model, enable=True)
@@ -393,7 +393,7 @@ def plant_code(step: Path, marker: Path, entry: str = "") -> None:
 
 def test_a_checkpoint_whose_pickles_name_code_is_refused_by_name_and_never_runs(run_folder, tmp_path, capsys):
     import sample
-    from torchtitan.components.checkpoint import CheckpointLoadError
+    from torchtitan.errors import CheckpointLoadError
 
     marker, folder = tmp_path / "pwned", run_folder / "checkpoint"
     plant_code(folder / "step-8", marker)

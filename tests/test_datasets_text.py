@@ -375,8 +375,8 @@ def test_data_record_refuses_a_new_tokenizer_and_restarts_the_position_on_new_da
     """The checkpoint's data record: another tokenizer (fingerprint, vocabulary, BOS/EOS) or latent tokenizer is
     refused naming the key; another seq_len, dataset path or number of samples resumes with a warning and a restarted
     data position; a moved tokenizer file of the same content, and fields of later versions, change nothing."""
-    from torchtitan.components.checkpoint import ResumeRefusedError
     from torchtitan.datasets.record import DataRecord, data_record
+    from torchtitan.errors import ResumeRefusedError
     from torchtitan.tools.logging import logger
 
     config = lambda dataset: SimpleNamespace(training=SimpleNamespace(dataset=dataset, dataset_path=str(tmp_path)))

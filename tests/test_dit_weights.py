@@ -21,8 +21,8 @@ from safetensors.torch import load_file
 import sample
 from tests.conftest import TINY
 from torchtitan.config_manager import parse_args
-from torchtitan.config_validation import ConfigError
 from torchtitan.diffusion import GaussianDiffusion, guided, sample_images
+from torchtitan.errors import ConfigError
 from torchtitan.models.dit import DiT, DiTArgs, dit_configs
 from torchtitan.models.dit.state_dict_adapter import DIT_PT_PICKLE_GLOBALS, read_dit_pt
 from torchtitan.tools import safe_pickle

@@ -25,8 +25,8 @@ import sample
 import scripts.convert_dit as convert_dit
 from tests.conftest import TINY
 from torchtitan.config_manager import parse_args
-from torchtitan.config_validation import ConfigError
 from torchtitan.diffusion import RectifiedFlow, sample_images
+from torchtitan.errors import ConfigError
 from torchtitan.models.dit import DiT, DiTArgs, dit_configs
 from torchtitan.models.dit.lightningdit_adapter import (
     LIGHTNINGDIT_PT_PICKLE_GLOBALS,

@@ -30,8 +30,8 @@ from torchtitan.models.dit import DiT, DiTArgs, dit_configs
 from torchtitan.models.dit.repa_adapter import from_repa, is_repa_pt, read_repa_pt
 from torchtitan.models.dit.state_dict_adapter import DIT_PT_PICKLE_GLOBALS, read_dit_pt
 from torchtitan.models.dit.weights import load_model, resolve_checkpoint
+from torchtitan.protocols import BatchLayout
 from torchtitan.tools import safe_pickle
-from torchtitan.train_spec import BatchLayout
 
 DATA = Path(__file__).parent / "data" / "repa_reference"
 CHECKPOINT = DATA / "tiny_repa_train_checkpoint.pt"
@@ -240,7 +240,7 @@ def test_trainer_starts_from_the_repa_pt_with_its_projectors(tmp_path, tiny_flav
 
 def test_repa_pt_needs_its_sits_flow():
     from torchtitan.config_manager import parse_args
-    from torchtitan.config_validation import ConfigError
+    from torchtitan.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"initial_load_format = 'repa_pt' .*REPA's SiT predicts velocity in our "
                                           r"time, read in \[0, 1\]; set .*diffusion.time_input = 't'"):  # fmt: skip

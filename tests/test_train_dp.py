@@ -16,11 +16,11 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from tests.conftest import TINY, read_metrics, run_train
-from torchtitan.components.checkpoint import ResumeRefusedError
 from torchtitan.config_manager import ConfigError, JobConfig
 from torchtitan.dp.sampling import PoissonBatchSampler
 from torchtitan.dp.testing import clipped_mean, per_sample_grads
 from torchtitan.dp.training import PrivateTraining, gather_kept, norm_statistics
+from torchtitan.errors import ResumeRefusedError
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 

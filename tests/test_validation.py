@@ -21,7 +21,7 @@ from tests.conftest import ROOT, TINY, run_train
 from torchtitan.components import validation
 from torchtitan.components.validation import ADM_SPLIT_SIZE, FeatureSums, FIDValidator, rank_batches
 from torchtitan.config_manager import parse_args
-from torchtitan.config_validation import ConfigError
+from torchtitan.errors import ConfigError
 from torchtitan.tools.adm_metrics import class_probabilities
 from torchtitan.tools.fid import build_inception, feature_statistics, frechet_distance, inception_features
 from torchtitan.tools.images import to_uint8_nhwc

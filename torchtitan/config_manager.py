@@ -11,7 +11,8 @@ import types
 import typing
 from pathlib import Path
 
-from torchtitan.config_validation import ConfigError, check_batch_sizes, validate
+from torchtitan.config_validation import check_batch_sizes, validate
+from torchtitan.errors import ConfigError
 from torchtitan.job_config import JobConfig, Model, _field_docs, _leaf_fields, _sections
 
 __all__ = ["ConfigError", "JobConfig", "check_batch_sizes", "parse_args", "to_toml", "validate"]

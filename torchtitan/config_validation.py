@@ -9,30 +9,7 @@ import dataclasses
 import math
 import os
 
-
-class ConfigError(ValueError):
-    """A bad config value; the message names the key, the value and its source."""
-
-
-def _value(cfg, key: str):
-    obj = cfg
-    for part in key.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def at(cfg, key: str) -> str:
-    """'key = value in source': how a message about one key starts."""
-    return f"{key} = {_value(cfg, key)!r} in {cfg.source_of(key)}"
-
-
-def keys_in(cfg, *keys: str) -> str:
-    """'a with b in X' when one source set them all, else 'a in X with b in Y': a message about a combination."""
-    sources = [cfg.source_of(key) for key in keys]
-    if len(set(sources)) == 1:
-        return f"{' with '.join(keys)} in {sources[0]}"
-    return " with ".join(f"{key} in {source}" for key, source in zip(keys, sources))
-
+from torchtitan.errors import ConfigError, at, keys_in, value_of
 
 _CHOICES = {
     "diffusion.objective": ("ddpm", "rectified_flow"),
@@ -306,7 +283,7 @@ def _check_fid(cfg, args, name: str, errors: list[str]) -> None:
              "validation.inception_weights": "pytorch-fid's FID Inception weights "
                                              "(pt_inception-2015-12-05-6726825d.pth)"}  # fmt: skip
     for key, what in files.items():
-        path = _value(cfg, key)
+        path = value_of(cfg, key)
         if not path:
             errors.append(f"{at(cfg, key)}: {enabled} {what} in a local file")
         elif not Path(path).is_file():
@@ -331,7 +308,7 @@ def _check_choices(cfg, errors: list[str]) -> None:
                       "(autotuned Triton GEMMs without CUDA graphs) or 'default'")  # fmt: skip
         choices.pop("compile.mode")
     for key, allowed in choices.items():
-        if _value(cfg, key) not in allowed:
+        if value_of(cfg, key) not in allowed:
             errors.append(f"{at(cfg, key)}: must be one of {list(allowed)}")
     unknown = [b for b in cfg.model.sdpa_backends if b not in ("cudnn", "flash", "efficient", "math")]
     if unknown or not cfg.model.sdpa_backends:
@@ -345,12 +322,12 @@ def _check_choices(cfg, errors: list[str]) -> None:
 
 def _check_numbers(cfg, errors: list[str]) -> None:
     # No field accepts inf or nan (a field that did would say so in its docstring and be skipped here).
-    not_finite = {key for key in _float_keys(cfg) if not math.isfinite(_value(cfg, key))}
+    not_finite = {key for key in _float_keys(cfg) if not math.isfinite(value_of(cfg, key))}
     errors += [f"{at(cfg, key)}: must be a finite number" for key in sorted(not_finite)]
     if cfg.training.local_batch_size != "auto" and cfg.training.local_batch_size <= 0:  # "auto": batch_size_finder
         errors.append(f"{at(cfg, 'training.local_batch_size')}: must be > 0 or 'auto'")
     for key, rule in _BOUNDS.items():
-        if key not in not_finite and not _RULES[rule](_value(cfg, key)):
+        if key not in not_finite and not _RULES[rule](value_of(cfg, key)):
             errors.append(f"{at(cfg, key)}: must be {rule}")
 
 
@@ -431,7 +408,7 @@ def _check_flow_keys(cfg, errors: list[str]) -> None:
     d = cfg.diffusion
     if d.objective == "ddpm":
         for key, default in (("diffusion.time_input", "1000t"), ("diffusion.cosine_loss_weight", 0.0)):
-            if _value(cfg, key) != default:
+            if value_of(cfg, key) != default:
                 errors.append(f"{at(cfg, key)}: rectified_flow's; diffusion.objective 'ddpm' (in "
                               f"{cfg.source_of('diffusion.objective')}) reads integer timesteps")  # fmt: skip
     flows = {"lightningdit_pt": ("1-t", "LightningDiT's weights predict velocity in its transport's time (1 is data)"),
@@ -440,7 +417,7 @@ def _check_flow_keys(cfg, errors: list[str]) -> None:
         time_input, why = flows[cfg.checkpoint.initial_load_format]
         wanted = {"diffusion.objective": "rectified_flow", "diffusion.prediction": "velocity",
                   "diffusion.time_input": time_input}  # fmt: skip
-        wrong = [f"{key} = {value!r}" for key, value in wanted.items() if _value(cfg, key) != value]
+        wrong = [f"{key} = {value!r}" for key, value in wanted.items() if value_of(cfg, key) != value]
         if wrong:
             errors.append(f"{at(cfg, 'checkpoint.initial_load_format')}: {why}; set {', '.join(wrong)}")
 

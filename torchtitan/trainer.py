@@ -30,18 +30,20 @@ from torchtitan.components.sampling import SampleWriter
 from torchtitan.components.step_guard import NonFiniteGuard
 from torchtitan.components.validation import FIDValidator
 from torchtitan.components.validation_loss import HeldOutLoss
-from torchtitan.config_manager import ConfigError, JobConfig, check_batch_sizes, to_toml
-from torchtitan.config_validation import at, validate_layout
+from torchtitan.config_manager import JobConfig, check_batch_sizes, to_toml
+from torchtitan.config_validation import validate_layout
 from torchtitan.datasets.prefetch import DevicePrefetcher, batch_to_device
 from torchtitan.datasets.record import DataRecord, data_record
 from torchtitan.dp.training import DP_CHECKPOINT_WITHOUT_DP, PrivateTraining, resuming_without_privacy
+from torchtitan.errors import ConfigError, at
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.utils import full_tensor_random_init, torch_dtype
+from torchtitan.protocols import BatchLayout
 from torchtitan.tools.batch_size_finder import resolve_local_batch_size
 from torchtitan.tools.logging import logger
 from torchtitan.tools.memory_estimate import check_memory
 from torchtitan.tools.utils import GarbageCollection, get_device, set_determinism, settle_sdpa_priority
-from torchtitan.train_spec import BatchLayout, build_model_args, get_train_spec
+from torchtitan.train_spec import build_model_args, get_train_spec
 
 SDPA_BACKENDS = {
     "cudnn": SDPBackend.CUDNN_ATTENTION,

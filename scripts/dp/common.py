@@ -208,13 +208,3 @@ def check_modes(modes: list[str], baseline: str) -> list[str]:
         private = [m for m in DP_MODES if m not in NON_PRIVATE]
         raise SystemExit(f"unknown mode(s) {unknown}: use {' or '.join(NON_PRIVATE)} (non-private) or one of {private}")
     return modes if any(m in NON_PRIVATE for m in modes) else [baseline, *modes]
-
-
-def finish(results: list[dict], opts) -> None:
-    """The plots and summary.txt of the suite's folder, then how many runs were not ok."""
-    if not opts.no_plots:
-        from scripts.dp.visualize import main as visualize
-
-        visualize([opts.output_dir])
-    failed = sum(r["status"] != "ok" for r in results)
-    print(f"done: {failed} run(s) not ok (recorded in their JSON and status.json)", flush=True)

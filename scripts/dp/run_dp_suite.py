@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from scripts.dp import common  # noqa: E402  (needs the repository root on the path)
+from scripts.dp import common, visualize  # noqa: E402  (needs the repository root on the path)
 from scripts.lib import batch_probe, device_memory_gib, search, words  # noqa: E402
 from torchtitan.tools.batch_size_finder import Probe  # noqa: E402
 from torchtitan.tools.batch_size_finder import predicted_max_batch as finder_prediction  # noqa: E402
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     if not opts.dry_run and opts.find_max_batch:
         find_max_batches(results, modes, input_size, tokens, Path(opts.output_dir), extra, opts)
     if not opts.dry_run:
-        common.finish(results, opts)
+        visualize.finish(results, opts)
     return 0
 
 

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from scripts.dp import common  # noqa: E402  (needs the repository root on the path)
+from scripts.dp import common, visualize  # noqa: E402  (needs the repository root on the path)
 from scripts.lib import words  # noqa: E402
 
 MODES = ("no_dp", "ghost", "flash", "flash_bookkeeping")
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         what += f", {opts.flavor} classifier on synthetic tokens"
     results = common.run_suite(points, extra, opts, what)
     if not opts.dry_run:
-        common.finish(results, opts)
+        visualize.finish(results, opts)
     return 0
 
 

@@ -275,5 +275,14 @@ def main(argv: list[str] | None = None) -> list[Path]:
     return written
 
 
+def finish(results: list[dict], opts) -> None:
+    """The end of a suite (run_dp_suite.py, run_fsdp_suite.py): the plots and summary.txt of its folder, then how
+    many runs were not ok."""
+    if not opts.no_plots:
+        main([opts.output_dir])
+    failed = sum(r["status"] != "ok" for r in results)
+    print(f"done: {failed} run(s) not ok (recorded in their JSON and status.json)", flush=True)
+
+
 if __name__ == "__main__":
     main()

@@ -41,20 +41,11 @@ from torchtitan.components.checkpoint_reader import (
     resume_candidates,
 )
 from torchtitan.components.optimizer import written_by
+from torchtitan.errors import CheckpointLoadError, ResumeRefusedError
 from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import rng_state, set_rng_state
 
 SET_ASIDE = "set_aside"  # sub-folder of the checkpoint folder for checkpoints a run moved out of its way
-
-
-class CheckpointLoadError(RuntimeError):
-    """Checkpoints exist but none could be loaded; the message names each one and why."""
-
-
-class ResumeRefusedError(CheckpointLoadError):
-    """The newest checkpoint cannot continue this run as it is configured (a changed tokenizer, a spent privacy
-    budget, DP turned off ...): the message names the key. Older checkpoints are not tried instead, since they
-    would be refused for the same reason or silently resume an older state."""
 
 
 class CheckpointSaveError(RuntimeError):

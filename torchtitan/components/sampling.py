@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from torchtitan.config_validation import ConfigError
 from torchtitan.diffusion import sample_images, sampler_options
+from torchtitan.errors import ConfigError
 from torchtitan.tools.images import save_image_grid
 from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import rank0_error

@@ -27,8 +27,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from torchtitan.config_validation import ConfigError, at
 from torchtitan.diffusion import batch_noise, labels_for, sample_images, sampler_options
+from torchtitan.errors import ConfigError, at
 from torchtitan.tools.adm_metrics import IS_SPLIT_SIZE as ADM_SPLIT_SIZE  # compute_inception_score's split_size
 from torchtitan.tools.adm_metrics import class_probabilities
 from torchtitan.tools.fid import build_inception, frechet_distance, inception_features, load_statistics

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import torch
 
-from torchtitan.datasets.latents import LatentNormalization
 from torchtitan.tools import safe_pickle
 
 
-def read_latent_stats(path: str | Path) -> LatentNormalization:
+def read_latent_stats(path: str | Path) -> tuple[list[float], list[float]]:
     """LightningDiT's `latents_stats.pt` ({"mean", "std"}, each (1, C, 1, 1): its ImgLatentDataset's per-channel
-    statistics of 10,000 latents) as the per-channel normalization (z - mean) / std it trains with; read through an
-    allow-list of tensor globals (torchtitan/tools/safe_pickle.py): a file naming code is refused before it runs.
+    statistics of 10,000 latents) as the (mean, std) lists of the per-channel normalization (z - mean) / std it trains
+    with (latents.normalization_for makes them a LatentNormalization); read through an allow-list of tensor globals
+    (torchtitan/tools/safe_pickle.py): a file naming code is refused before it runs.
 
     Raises:
         FileNotFoundError: no such file.
@@ -33,4 +33,4 @@ def read_latent_stats(path: str | Path) -> LatentNormalization:
     mean, std = (t.double().reshape(-1) for t in tensors)
     if not (torch.isfinite(mean).all() and torch.isfinite(std).all() and (std > 0).all()):
         raise ValueError(f"{where}: its mean and std must be finite and its std > 0")
-    return LatentNormalization("channel", mean.tolist(), std.tolist())
+    return mean.tolist(), std.tolist()

@@ -165,7 +165,7 @@ def normalization_for(meta: dict, scale_factor: float = 0.0, stats_file: str = "
     if stats_file:
         from torchtitan.datasets.latent_stats import read_latent_stats
 
-        return read_latent_stats(stats_file)
+        return LatentNormalization("channel", *read_latent_stats(stats_file))
     return LatentNormalization.from_dict(meta["normalization"])
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from torch.utils.data import Dataset
 
-from torchtitan.components.checkpoint import ResumeRefusedError
+from torchtitan.errors import ResumeRefusedError
 from torchtitan.tools.logging import logger
 
 __all__ = ["DataRecord", "data_record"]

@@ -89,7 +89,7 @@ class DiffusionObjective:
     Args:
         diffusion_config: the `[diffusion]` section.
         model_args: the DiT's args (input shape, classes, learned sigma, alignment projectors).
-        layout: this rank's place in the global batch (torchtitan.train_spec.BatchLayout).
+        layout: this rank's place in the global batch (torchtitan.protocols.BatchLayout).
         alignment: the run's RepresentationAlignment (its encoder sees the clean images); None without projectors.
     """
 

@@ -8,9 +8,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchtitan.components.checkpoint import ResumeRefusedError
 from torchtitan.components.checkpoint_reader import read_checkpoint_metadata
-from torchtitan.config_validation import ConfigError
+from torchtitan.errors import ConfigError, ResumeRefusedError
 from torchtitan.tools.logging import logger
 
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from torchtitan.config_validation import ConfigError
+from torchtitan.errors import ConfigError
 from torchtitan.tools.logging import logger
 from torchtitan.tools.runs import Run, launch
 
@@ -165,13 +165,6 @@ def benchmark_probe(config: str, train_args: list[str], nproc: int = 1, steps: i
     return probe
 
 
-def device_memory_bytes(index: int = 0) -> int | None:
-    """Total memory of this machine's GPU `index`, or None without one."""
-    import torch
-
-    return torch.cuda.get_device_properties(index).total_memory if torch.cuda.is_available() else None
-
-
 def estimated_max_batch(cfg, world_size: int, memory_bytes: int, limit: int = 1 << 16) -> int:
     """The largest local batch whose analytic estimate (per rank, these parallel degrees) fits `memory_bytes`."""
     from torchtitan.tools.memory_estimate import estimate_from_job_config, max_batch_that_fits
@@ -217,6 +210,7 @@ def find_max_local_batch_size(config: str, train_args: list[str] | None = None, 
         {"batch": the largest batch that ran (0: none), "start", "peak_memory_gib", "probes": [...]}.
     """
     from torchtitan.config_manager import parse_args
+    from torchtitan.tools.memory_estimate import device_memory_bytes
 
     train_args = list(train_args or [])
     memory = int(memory_gib * 1024**3) if memory_gib else device_memory_bytes()
@@ -271,6 +265,8 @@ def resolve_local_batch_size(cfg, world_size: int, dp_degree: int, device_type: 
         ConfigError: not even a batch of 1 fits (a CPU device and an indivisible global batch are refused
             before, by config_validation.validate_layout).
     """
+    from torchtitan.tools.memory_estimate import device_memory_bytes
+
     t = cfg.training
     if t.local_batch_size != "auto":
         return t.local_batch_size

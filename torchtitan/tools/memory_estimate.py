@@ -342,7 +342,7 @@ def check_memory(cfg, args, world_size: int, device) -> None:
     import torch
     import torch.distributed as dist
 
-    from torchtitan.config_validation import ConfigError, at
+    from torchtitan.errors import ConfigError, at
     from torchtitan.tools.logging import logger
 
     memory = available_memory(device)
@@ -371,13 +371,18 @@ def check_memory(cfg, args, world_size: int, device) -> None:
         logger.warning(f"memory: {figures}, within the estimate's error of it: the run may run out of memory")
 
 
+def device_memory_bytes(index: int = 0) -> int | None:
+    """Total memory of this machine's GPU `index`, or None without one."""
+    import torch
+
+    return torch.cuda.get_device_properties(index).total_memory if torch.cuda.is_available() else None
+
+
 def available_memory(device) -> tuple[int, str] | None:
     """The memory one rank has, and what it is: a CUDA device's total memory; on CPU the host's available RAM
     (MemAvailable, which counts what the kernel can reclaim), shared by the ranks on the host (LOCAL_WORLD_SIZE).
     None where it is not known."""
     if device.type == "cuda":
-        from torchtitan.tools.batch_size_finder import device_memory_bytes
-
         return device_memory_bytes(device.index or 0), f"{device}'s total memory"
     if device.type != "cpu":
         return None

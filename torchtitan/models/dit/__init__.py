@@ -1,4 +1,4 @@
-"""DiT flavors (keys are the paper's names) and their TrainSpec registration."""
+"""DiT flavors (keys are the paper's names) and their TrainSpec (TRAIN_SPEC, listed in torchtitan/models)."""
 
 from dataclasses import replace
 from pathlib import Path
@@ -9,7 +9,7 @@ from torchtitan.models.dit.model import DiT, DiTArgs, flops_per_image
 from torchtitan.models.dit.parallelize import parallelize_dit
 from torchtitan.models.dit.repa_adapter import read_repa_pt
 from torchtitan.models.dit.state_dict_adapter import read_dit_pt
-from torchtitan.train_spec import TrainSpec, register_train_spec
+from torchtitan.protocols import TrainSpec
 
 __all__ = ["DiT", "DiTArgs", "dit_configs", "flops_per_image", "parallelize_dit"]
 
@@ -86,7 +86,7 @@ def _add_alignment(args: DiTArgs, job_config) -> None:
         ConfigError: naming alignment.depth or alignment.encoder_path.
     """
     from torchtitan.alignment import encoder_architecture
-    from torchtitan.config_validation import ConfigError, at
+    from torchtitan.errors import ConfigError, at
 
     align = job_config.alignment
     if not 1 <= align.depth <= args.depth:
@@ -185,31 +185,29 @@ def _build_dataloader(job_config, model_args: DiTArgs, dp_rank: int, dp_world: i
                             job_config.latent, images, features, hold_out)  # fmt: skip
 
 
-register_train_spec(
-    TrainSpec(
-        name="dit",
-        model_cls=DiT,
-        model_args=dit_configs,
-        build_model_args_fn=build_dit_args,
-        parallelize_fn=parallelize_dit,
-        build_objective_fn=_build_objective,
-        build_dataloader_fn=_build_dataloader,
-        flops_per_sample_fn=dit_flops_per_sample,
-        datasets=("digits", "dummy", "imagefolder", "cifar10", "latents"),
-        measure_overrides=("--training.dataset", "dummy", "--sampling.freq", "0"),  # no data to read, no grids
-        # facebookresearch/DiT .pt files; REPA's SiT (+ projectors) .pt files; diffusers DiTTransformer2DModel folders;
-        # hustvl/LightningDiT .pt files
-        weight_readers={
-            "dit_pt": read_dit_pt,
-            "repa_pt": read_repa_pt,
-            "diffusers": read_diffusers_weights,
-            "lightningdit_pt": read_lightningdit_pt,
-        },
-        arg_keys={
-            "align_depth": "alignment.depth",
-            "align_dims": "alignment.encoder_path",
-            "align_projector_dim": "alignment.projector_dim",
-        },
-        sampling_export_fn=sampling_export,
-    )
+TRAIN_SPEC = TrainSpec(
+    name="dit",
+    model_cls=DiT,
+    model_args=dit_configs,
+    build_model_args_fn=build_dit_args,
+    parallelize_fn=parallelize_dit,
+    build_objective_fn=_build_objective,
+    build_dataloader_fn=_build_dataloader,
+    flops_per_sample_fn=dit_flops_per_sample,
+    datasets=("digits", "dummy", "imagefolder", "cifar10", "latents"),
+    measure_overrides=("--training.dataset", "dummy", "--sampling.freq", "0"),  # no data to read, no grids
+    # facebookresearch/DiT .pt files; REPA's SiT (+ projectors) .pt files; diffusers DiTTransformer2DModel folders;
+    # hustvl/LightningDiT .pt files
+    weight_readers={
+        "dit_pt": read_dit_pt,
+        "repa_pt": read_repa_pt,
+        "diffusers": read_diffusers_weights,
+        "lightningdit_pt": read_lightningdit_pt,
+    },
+    arg_keys={
+        "align_depth": "alignment.depth",
+        "align_dims": "alignment.encoder_path",
+        "align_projector_dim": "alignment.projector_dim",
+    },
+    sampling_export_fn=sampling_export,
 )

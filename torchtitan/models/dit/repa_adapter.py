@@ -24,11 +24,9 @@ from pathlib import Path
 import torch
 
 from torchtitan.models.dit.model import DiT, DiTArgs
-from torchtitan.models.dit.state_dict_adapter import from_reference, load_pt
+from torchtitan.models.dit.state_dict_adapter import from_reference, is_repa_checkpoint, load_pt, weights_of
 from torchtitan.tools import safe_pickle
 
-# Fields only REPA's train.py args have (its encoder and projection loss).
-_REPA_ARGS = ("enc_type", "proj_coeff", "encoder_depth")
 # What a REPA file's config is (sample.py, convert_dit.py): its SiT's flow, time read in [0, 1], fixed positions.
 REPA_CONFIG_FLAGS = ("--model.pos_embed", "sincos", "--diffusion.objective", "rectified_flow", "--diffusion.prediction",
                      "velocity", "--diffusion.time_input", "t")  # fmt: skip
@@ -41,25 +39,6 @@ def is_repa_pt(path: str | Path) -> bool:
     tensor is read): its train.py args' encoder fields, or a projector's or legacy decoder block's key."""
     strings = safe_pickle.pickle_strings(path)
     return any(marker in strings for marker in _MARKERS) or any(s.startswith("decoder_blocks.") for s in strings)
-
-
-def _state_of(loaded) -> dict | None:
-    """The state dict inside a loaded file: train.py's "ema" (else "model"), or the file itself."""
-    if not isinstance(loaded, dict):
-        return None
-    for entry in ("ema", "model"):
-        if isinstance(loaded.get(entry), dict):
-            return loaded[entry]
-    return loaded
-
-
-def is_repa_checkpoint(loaded) -> bool:
-    """Whether a loaded `.pt` is REPA's: train.py's args name its encoder, or its weights hold projectors."""
-    args = loaded.get("args") if isinstance(loaded, dict) else None
-    if args is not None and any(hasattr(args, field) for field in _REPA_ARGS):
-        return True
-    state = _state_of(loaded)
-    return state is not None and any(str(key).startswith(("projectors.", "decoder_blocks.")) for key in state)
 
 
 def _renumber_legacy(state: dict) -> dict:
@@ -136,9 +115,6 @@ def convert_repa_pt(loaded, path: Path, args: DiTArgs) -> dict[str, torch.Tensor
     if not is_repa_checkpoint(loaded):
         raise ValueError(f"{path}: no REPA checkpoint (no projectors, no REPA train.py args); a facebookresearch/DiT "
                          "file is checkpoint.initial_load_format 'dit_pt'")  # fmt: skip
-    state = _state_of(loaded)
-    others = [key for key, value in state.items() if not isinstance(value, torch.Tensor)]
-    if others:
-        raise ValueError(f"{path}: {others[:5]} are no tensors: not a REPA state dict nor its train.py checkpoint")
+    state = weights_of(loaded, path, "REPA's train.py checkpoint ({'model', 'ema', 'opt', 'args', 'steps'})")
     train_args = loaded.get("args") if isinstance(loaded.get("ema"), dict) else None
-    return from_repa(dict(state), args, str(path), train_args)
+    return from_repa(state, args, str(path), train_args)

@@ -81,6 +81,30 @@ def _rename(key: str, table: dict[str, str]) -> str | None:
     return None if template is None else template.format(match.group(1))
 
 
+# Fields only REPA's train.py args have (its encoder and projection loss).
+_REPA_ARGS = ("enc_type", "proj_coeff", "encoder_depth")
+
+
+def _state_of(loaded) -> dict | None:
+    """The state dict inside a loaded file: train.py's "ema" (else "model"), or the file itself."""
+    if not isinstance(loaded, dict):
+        return None
+    for entry in ("ema", "model"):
+        if isinstance(loaded.get(entry), dict):
+            return loaded[entry]
+    return loaded
+
+
+def is_repa_checkpoint(loaded) -> bool:
+    """Whether a loaded `.pt` is REPA's: train.py's args name its encoder, or its weights hold projectors. Here,
+    beside the SiT refusal, since read_dit_pt sends such a file to its own format (repa_adapter.py reads it)."""
+    args = loaded.get("args") if isinstance(loaded, dict) else None
+    if args is not None and any(hasattr(args, field) for field in _REPA_ARGS):
+        return True
+    state = _state_of(loaded)
+    return state is not None and any(str(key).startswith(("projectors.", "decoder_blocks.")) for key in state)
+
+
 def _sit_refusal(path: Path) -> str:
     return (f"{path}: SiT weights (willisma/SiT) are not supported: SiT's time runs the other way (t = 1 is data, "
             "DiT's t = 1 noise), so they would sample nonsense here")  # fmt: skip
@@ -195,8 +219,6 @@ def read_dit_pt(path: str | Path, args: DiTArgs) -> dict[str, torch.Tensor]:
         ValueError: the file names code outside the allow-list (safe_pickle.UnsafePickleError), is no DiT state
             dict, is SiT's or REPA's, or does not fit `args` (see from_reference); the file named.
     """
-    from torchtitan.models.dit.repa_adapter import is_repa_checkpoint
-
     path = Path(path)
     loaded = load_pt(path)
     if is_repa_checkpoint(loaded):

@@ -1,11 +1,12 @@
-"""Llama 3 flavors and their TrainSpec registration: a second model family through the same trainer."""
+"""Llama 3 flavors and their TrainSpec (TRAIN_SPEC, listed in torchtitan/models): a second model family through the
+same trainer."""
 
 import dataclasses
 import functools
 from pathlib import Path
 
 from torchtitan.components.checkpoint_model_args import StartingCheckpoint, starting_checkpoint
-from torchtitan.config_validation import ConfigError, at
+from torchtitan.errors import ConfigError, at
 from torchtitan.models.llama3.flavors import llama3_configs
 from torchtitan.models.llama3.model import Llama3, Llama3Args, flops_per_token
 from torchtitan.models.llama3.parallelize import parallelize_llama3
@@ -15,8 +16,8 @@ from torchtitan.models.llama3.state_dict_adapter import (
     read_hf_folder,
     special_ids_mismatch,
 )
+from torchtitan.protocols import TrainSpec
 from torchtitan.tools.logging import logger
-from torchtitan.train_spec import TrainSpec, register_train_spec
 
 __all__ = ["Llama3", "Llama3Args", "flops_per_token", "llama3_configs", "parallelize_llama3"]
 
@@ -112,21 +113,19 @@ def _build_dataloader(job_config, model_args: Llama3Args, dp_rank: int, dp_world
     return loader
 
 
-register_train_spec(
-    TrainSpec(
-        name="llama3",
-        model_cls=Llama3,
-        model_args=llama3_configs,
-        build_model_args_fn=build_llama3_args,
-        parallelize_fn=parallelize_llama3,
-        build_objective_fn=_build_objective,
-        build_dataloader_fn=_build_dataloader,
-        flops_per_sample_fn=lambda args, job_config: (
-            flops_per_token(args, job_config.training.seq_len) * job_config.training.seq_len
-        ),
-        datasets=TEXT_DATASETS,
-        has_validation_split=True,
-        weight_readers={"hf": read_hf_folder},
-        arg_keys={"num_labels": "model.num_classes"},
-    )
+TRAIN_SPEC = TrainSpec(
+    name="llama3",
+    model_cls=Llama3,
+    model_args=llama3_configs,
+    build_model_args_fn=build_llama3_args,
+    parallelize_fn=parallelize_llama3,
+    build_objective_fn=_build_objective,
+    build_dataloader_fn=_build_dataloader,
+    flops_per_sample_fn=lambda args, job_config: (
+        flops_per_token(args, job_config.training.seq_len) * job_config.training.seq_len
+    ),
+    datasets=TEXT_DATASETS,
+    has_validation_split=True,
+    weight_readers={"hf": read_hf_folder},
+    arg_keys={"num_labels": "model.num_classes"},
 )
