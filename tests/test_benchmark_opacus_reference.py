@@ -1,4 +1,5 @@
-"""scripts/benchmark_opacus_reference.py on a stand-in of the reference's models.py (plain torch, no timm), CPU.
+"""scripts/benchmarks/benchmark_opacus_reference.py on a stand-in of the reference's models.py (plain torch, no timm),
+CPU.
 
 The stand-in has the reference's interface (DiT_models of factories; DiT(input_size, patch_size, in_channels,
 hidden_size, depth, num_heads, mlp_ratio, class_dropout_prob, num_classes, learn_sigma); forward(x, t, y)) and its
@@ -17,7 +18,7 @@ from torch.func import functional_call, grad, vmap
 
 pytest.importorskip("opacus")
 
-import scripts.benchmark_opacus_reference as bench  # noqa: E402
+import scripts.benchmarks.benchmark_opacus_reference as bench  # noqa: E402
 from torchtitan.models.dit.model import DiTArgs, flops_per_image  # noqa: E402
 
 STAND_IN = """

@@ -1,4 +1,4 @@
-"""scripts/benchmark_reference.py on stand-ins of the reference's models.py and `diffusion` package, CPU.
+"""scripts/benchmarks/benchmark_reference.py on stand-ins of the reference's models.py and `diffusion` package, CPU.
 
 The models.py stand-in is test_benchmark_opacus_reference's (the reference's interface in plain torch, no timm,
 with torch's default initialization instead of the reference's zeros, so that no gradient hides behind a zero).
@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import scripts.benchmark_reference as bench
+import scripts.benchmarks.benchmark_reference as bench
 from tests.test_benchmark_opacus_reference import STAND_IN
 from torchtitan.models.dit.model import DiTArgs, flops_per_image
 from torchtitan.tools.runs import RESULT_PREFIX, ROOT, launcher, run_to_end
@@ -167,8 +167,8 @@ def test_result_line_json_out_and_table(reference, tmp_path, capsys):
 
 def test_missing_reference_exits_2_with_one_error_line(tmp_path):
     missing = tmp_path / "no_dit_here"
-    proc = subprocess.run([sys.executable, "scripts/benchmark_reference.py", "--reference-dit", str(missing)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    cmd = [sys.executable, "scripts/benchmarks/benchmark_reference.py", "--reference-dit", str(missing)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stdout == "", proc.stderr
     (line,) = proc.stderr.splitlines()
     assert line.startswith("error: ") and str(missing / "models.py") in line
@@ -187,7 +187,7 @@ def test_missing_diffusion_or_model_exits_2(tmp_path, capsys):
 @pytest.mark.slow
 def test_two_ranks_report_global_images_per_second(reference):
     """torchrun, 2 gloo ranks of 3 latents: rank 0 alone prints, and images/s count both ranks' images."""
-    cmd = [*launcher(2), "scripts/benchmark_reference.py", "--reference-dit", str(reference), *TINY]
+    cmd = [*launcher(2), "scripts/benchmarks/benchmark_reference.py", "--reference-dit", str(reference), *TINY]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = run_to_end(cmd, timeout=240, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]

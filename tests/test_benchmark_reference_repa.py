@@ -1,4 +1,5 @@
-"""scripts/benchmark_reference_repa.py on stand-ins of REPA's models/sit.py and loss.py and of its encoder, CPU.
+"""scripts/benchmarks/benchmark_reference_repa.py on stand-ins of REPA's models/sit.py and loss.py and of its encoder,
+CPU.
 
 The stand-ins have REPA's interfaces in plain torch, no timm: `SiT_models[name](input_size, num_classes, use_cfg,
 z_dims, encoder_depth, projector_dim, fused_attn, qk_norm)` whose forward returns (the velocity, [the projected
@@ -23,8 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import scripts.benchmark_reference_repa as bench
-from scripts.benchmark_reference import distributed
+import scripts.benchmarks.benchmark_reference_repa as bench
+from scripts.benchmarks.benchmark_reference import distributed
 from torchtitan.models.dit.model import DiTArgs, flops_per_image
 from torchtitan.tools.runs import RESULT_PREFIX
 

@@ -1,4 +1,4 @@
-"""scripts/benchmark_sampling.py on stand-ins of both samplers, CPU.
+"""scripts/benchmarks/benchmark_sampling.py on stand-ins of both samplers, CPU.
 
 The reference checkout is a stand-in made in tmp_path: a tiny models.py (`DiT_models`, with a zero-initialized
 adaLN layer as the reference's), its download.py's `find_model`, and a sample_ddp.py with the reference's flags
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import scripts.benchmark_sampling as bench
+import scripts.benchmarks.benchmark_sampling as bench
 from torchtitan.tools.runs import ROOT
 
 MODELS = """
@@ -380,7 +380,7 @@ def test_real_vae_loads_offline_in_both_samplers(tmp_path):
     code = f"""
 import sys, torch
 sys.path.insert(0, {str(ROOT)!r})
-import scripts.benchmark_sampling as bench
+import scripts.benchmarks.benchmark_sampling as bench
 from diffusers.models import AutoencoderKL
 from torchtitan.datasets.tokenizers import load_tokenizer
 

@@ -2,7 +2,7 @@
 
 One DiT norm with the gated residual add before it, forward and backward, at a DiT's activation shape:
 
-python scripts/benchmark_adaln_norm.py --batch 128 --tokens 256 --dim 1152
+python scripts/benchmarks/benchmark_adaln_norm.py --batch 128 --tokens 256 --dim 1152
 
 Prints GPU kernel time per call (from a profile: host launch gaps do not count) and the bandwidth of the
 (B, T, D) traffic each way needs at least: forward reads x and the branch and writes x' and h; backward reads

@@ -1,6 +1,6 @@
 """Times each SDPA backend (forward + backward) at DiT shapes and checks it against fp32 math attention.
 
-python scripts/benchmark_attention.py --batch 256 --heads 16 --tokens 256 --head-dim 72
+python scripts/benchmarks/benchmark_attention.py --batch 256 --heads 16 --tokens 256 --head-dim 72
 """
 
 import argparse

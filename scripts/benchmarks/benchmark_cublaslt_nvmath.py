@@ -11,7 +11,7 @@ checks nvmath's against the binding's (and a torch reference), times each alone 
 events, median), and with `--with-steps` times the trainer's own step with each backend in this process
 (torchtitan.measure, the backend swapped in torchtitan.kernels.mlp), alternating:
 
-    python scripts/benchmark_cublaslt_nvmath.py --config train_configs/dit_xl2_latent256.toml --batch 224
+    python scripts/benchmarks/benchmark_cublaslt_nvmath.py --config train_configs/dit_xl2_latent256.toml --batch 224
 
 nvmath-python (with cuda-bindings, cuda-core, cuda-pathfinder) is not a dependency of TorchDiTan; on the GPU
 machine it comes from wheels. The nvmath backend here keeps one planned `Matmul` per shape (planning costs
@@ -32,9 +32,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from scripts.benchmark_matmuls import time_ms  # noqa: E402
+from scripts.benchmarks.benchmark_matmuls import time_ms  # noqa: E402
 from torchtitan.kernels import cublaslt  # noqa: E402
 from torchtitan.kernels import mlp as mlp_kernels  # noqa: E402
 

@@ -1,7 +1,7 @@
 """The DP engine's per-sample norm kernels timed alone, against the torch implementations of the same maths and
 the layer's own forward matmul, at a flavor's block shapes (qkv, proj, fc1, fc2); one CUDA GPU.
 
-    python scripts/benchmark_dp_kernels.py --flavor DiT-L/8 --input-size 256 --batch-size 32
+    python scripts/benchmarks/benchmark_dp_kernels.py --flavor DiT-L/8 --input-size 256 --batch-size 32
 
 A kernel micro-benchmark. Step times and memory of DP-SGD come from the trainer's step, as scripts/benchmark.py
 cases (e.g. --case "fbk=--dp.enable true --dp.mode flash_bookkeeping").
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from torchtitan.dp import flash_kernels as fk  # noqa: E402
 from torchtitan.models.dit import dit_configs  # noqa: E402

@@ -4,7 +4,7 @@ attention timed alone at the flavor's shapes, summed over the depth, against the
 It answers "how fast could a step be if everything but the matmuls and attention were free": the MFU ceiling
 for a flavor and batch on this GPU, before any pointwise op, optimizer step or launch gap.
 
-python scripts/benchmark_matmuls.py --flavor DiT-XL/2 --batch 128
+python scripts/benchmarks/benchmark_matmuls.py --flavor DiT-XL/2 --batch 128
 """
 
 import argparse
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from torchtitan.models.dit import dit_configs, flops_per_image  # noqa: E402
 from torchtitan.tools.utils import device_peak_flops  # noqa: E402

@@ -17,8 +17,8 @@ As `torchtitan.measure` does for the trainer: bf16 autocast on CUDA over fp32 we
 `ThroughputMeter` with our FLOP count of the same shape, peak memory over the timed steps. Prints one JSON line and
 scripts/benchmark.py's table. Example (DiT-L/8 on 256x256 pixels, as train_configs/dit_l8_pixel_dp.toml):
 
-    python scripts/benchmark_opacus_reference.py --reference-dit build/ref_dit --model DiT-L/8 --image-size 256 \
-        --in-channels 3 --batch 32 --mode ghost
+    python scripts/benchmarks/benchmark_opacus_reference.py --reference-dit build/ref_dit --model DiT-L/8 \
+        --image-size 256 --in-channels 3 --batch 32 --mode ghost
 """
 
 import argparse
@@ -33,7 +33,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from scripts.lib import result_table, warm_summary  # noqa: E402

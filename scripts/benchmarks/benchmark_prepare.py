@@ -1,6 +1,6 @@
 """Encoding throughput of the latent preparation tool with an SD-VAE-sized AutoencoderKL (random weights).
 
-    python scripts/benchmark_prepare.py --images 1024 --image-size 256 --batch-size 64
+    python scripts/benchmarks/benchmark_prepare.py --images 1024 --image-size 256 --batch-size 64
 
 Builds a random-weight AutoencoderKL with Stable Diffusion's VAE layout (83.7M parameters), saves it with
 save_pretrained, writes a class-folder dataset of random PNGs, then times data/imagenet/prepare.py on it
@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def main() -> None:

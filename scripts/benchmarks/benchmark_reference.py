@@ -28,8 +28,8 @@ device sync (their median, through `warm_summary`), then as many back to back wi
 trainer's `ThroughputMeter` with our FLOP count of the same shape, so MFU compares with ours. Rank 0 prints one
 `MEASURE_RESULT {json}` line and scripts/benchmark.py's table. Examples (DiT-XL/2 at 256px: 32x32 latents):
 
-    python scripts/benchmark_reference.py --reference-dit build/ref_dit --batch 32
-    torchrun --nproc_per_node 8 scripts/benchmark_reference.py --reference-dit build/ref_dit --batch 32
+    python scripts/benchmarks/benchmark_reference.py --reference-dit build/ref_dit --batch 32
+    torchrun --nproc_per_node 8 scripts/benchmarks/benchmark_reference.py --reference-dit build/ref_dit --batch 32
 """
 
 import argparse
@@ -51,10 +51,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from scripts.benchmark_opacus_reference import (  # noqa: E402
+from scripts.benchmarks.benchmark_opacus_reference import (  # noqa: E402
     NUM_CLASSES,
     load_reference,
     reference_args,

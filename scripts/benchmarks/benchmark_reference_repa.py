@@ -1,6 +1,6 @@
 """The speed reference for representation alignment: sihyun-yu/REPA's own training step, timed as
-scripts/benchmark_reference.py times facebookresearch/DiT's (the same warm-up, timed and streamed steps, the same
-result line and table).
+scripts/benchmarks/benchmark_reference.py times facebookresearch/DiT's (the same warm-up, timed and streamed steps,
+the same result line and table).
 
 The reference is not part of this repository: `--reference-repa` names a checkout of github.com/sihyun-yu/REPA; its
 models/sit.py (which imports timm) and loss.py are imported from there by path, nothing installed. The step is the
@@ -36,9 +36,10 @@ with ours; the encoder's forward and the projector are NOT counted, so the MFU u
 and the projector add about 8% of SiT-XL/2's training FLOPs). Rank 0 prints one `MEASURE_RESULT {json}` line and
 scripts/benchmark.py's table. Examples (SiT-XL/2 at 256px, 32 images a GPU; `timm` installed):
 
-    python scripts/benchmark_reference_repa.py --reference-repa build/ref_repa --batch 32
-    python scripts/benchmark_reference_repa.py --reference-repa build/ref_repa --batch 64 --compile
-    torchrun --nproc_per_node 8 scripts/benchmark_reference_repa.py --reference-repa build/ref_repa --batch 32
+    python scripts/benchmarks/benchmark_reference_repa.py --reference-repa build/ref_repa --batch 32
+    python scripts/benchmarks/benchmark_reference_repa.py --reference-repa build/ref_repa --batch 64 --compile
+    torchrun --nproc_per_node 8 scripts/benchmarks/benchmark_reference_repa.py --reference-repa build/ref_repa \
+        --batch 32
 """
 
 import argparse
@@ -56,10 +57,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from scripts.benchmark_reference import add_measure_args, measure_and_report, time_steps, update_ema  # noqa: E402
+from scripts.benchmarks.benchmark_reference import add_measure_args, measure_and_report, time_steps, update_ema  # noqa: E402
 from torchtitan.models.dit.model import DiTArgs, flops_per_image  # noqa: E402
 from torchtitan.tools.utils import get_device  # noqa: E402
 

@@ -47,8 +47,8 @@ rows as a JSON list, as scripts/benchmark.py does. Examples (the DiT checkout ne
 sample_ddp.py and diffusion/; REPA's generate.py, samplers.py, utils.py, models/; timm, torchvision and diffusers
 installed):
 
-    python scripts/benchmark_sampling.py --reference-dit build/ref_dit --num-samples 256 --batch 64 --json-out s.json
-    python scripts/benchmark_sampling.py --reference-repa build/ref_repa --gpus 0,1 --num-samples 512 --batch 64 \
+    python scripts/benchmarks/benchmark_sampling.py --reference-dit build/ref_dit --num-samples 256 --batch 64 --json-out s.json
+    python scripts/benchmarks/benchmark_sampling.py --reference-repa build/ref_repa --gpus 0,1 --num-samples 512 --batch 64 \
         --ours-extra=--compile --json-out repa.json
 """
 
@@ -67,12 +67,12 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from scripts.benchmark_opacus_reference import load_reference, reference_load_error  # noqa: E402
-from scripts.benchmark_reference_repa import load_error as repa_load_error  # noqa: E402
-from scripts.benchmark_reference_repa import load_repa  # noqa: E402
+from scripts.benchmarks.benchmark_opacus_reference import load_reference, reference_load_error  # noqa: E402
+from scripts.benchmarks.benchmark_reference_repa import load_error as repa_load_error  # noqa: E402
+from scripts.benchmarks.benchmark_reference_repa import load_repa  # noqa: E402
 from torchtitan.tools.runs import TORCHRUN_VARS, run_to_end, status_of  # noqa: E402
 
 SD_VAE_REPO = "stabilityai/sd-vae-ft-ema"  # sample_ddp.py's default `--vae ema`

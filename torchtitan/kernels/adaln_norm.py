@@ -27,9 +27,9 @@ from torchtitan.kernels.triton_support import tl, triton, triton_runs, wrap_trit
 MAX_FUSED_DIM = 8192
 # Launch settings, read when a kernel is launched (or traced): warps per program of each kernel (0: by row width),
 # the tokens of one sample a backward program walks (its shift/scale/gate partial sums cover them), and how many
-# of those rows it loads at once. scripts/benchmark_adaln_norm.py compares settings; on an H100, 32 rows two at a
-# time were the fastest measured: the backward 11% faster than 16 rows one at a time at DiT-XL/2's (128, 256, 1152),
-# 9% at the 0.5B's (32, 1024, 1280) (docs/benchmark_log.md, 2026-11-24 late evening).
+# of those rows it loads at once. scripts/benchmarks/benchmark_adaln_norm.py compares settings; on an H100, 32 rows two
+# at a time were the fastest measured: the backward 11% faster than 16 rows one at a time at DiT-XL/2's
+# (128, 256, 1152), 9% at the 0.5B's (32, 1024, 1280) (docs/benchmark_log.md, 2026-11-24 late evening).
 LAUNCH = {"fwd_warps": 0, "bwd_warps": 0, "bwd_rows": 32, "bwd_tile": 2}
 
 
