@@ -1,5 +1,7 @@
 """Config parsing: TOML < CLI precedence, and clear errors that name the key and the file."""
 
+import json
+
 import pytest
 
 from tests.conftest import ROOT, run_python, run_train
@@ -183,6 +185,65 @@ def test_removed_kernel_keys_say_what_to_write(tmp_path, key, value, converters,
         parse_args(argv)
     message = str(err.value)
     assert message.startswith(key) and source in message and f"removed; use model.converters = {converters}" in message
+
+
+def _hf_config_folder(tmp_path):
+    """A Hugging Face Llama folder's config.json (no weights: parsing reads only the config) of the debugmodel's
+    shapes with a norm eps the flavor lacks, and flags that start a debugmodel run from that folder."""
+    from dataclasses import replace
+
+    from torchtitan.models.llama3 import llama3_configs
+    from torchtitan.models.llama3.state_dict_adapter import hf_config_from_args
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(hf_config_from_args(replace(llama3_configs["debugmodel"],
+                                                                               norm_eps=1e-6))))  # fmt: skip
+    return ["--model.name", "llama3", "--model.flavor", "debugmodel", "--training.dataset", "stdlib",
+            "--training.seq_len", "64", "--job.dump_folder", str(tmp_path / "run"),
+            "--checkpoint.initial_load_path", str(folder)]  # fmt: skip
+
+
+@pytest.mark.parametrize("given_in", ["toml", "cli"])
+def test_torchtitan_initial_load_in_hf_reads_a_hugging_face_folder(tmp_path, given_in):
+    # TorchTitan's boolean is initial_load_format = "hf": the model takes config.json's numerics as with "hf", the
+    # key's source names the alias, and the resolved config.toml writes our key.
+    from torchtitan.train_spec import build_model_args, get_train_spec
+
+    llama = _hf_config_folder(tmp_path)
+    if given_in == "toml":
+        argv = ["--job.config_file", write(tmp_path, "[checkpoint]\ninitial_load_in_hf = true\n")]
+        source = f"{tmp_path / 'job.toml'} (as checkpoint.initial_load_in_hf = True)"
+    else:
+        argv = ["--checkpoint.initial_load_in_hf", "true"]
+        source = "the command line (as checkpoint.initial_load_in_hf = 'true')"
+    cfg = parse_args([*llama, *argv])
+    assert cfg.checkpoint.initial_load_format == "hf"
+    assert cfg.source_of("checkpoint.initial_load_format") == source
+    assert build_model_args(get_train_spec("llama3"), cfg).norm_eps == 1e-6  # the flavor's is 1e-5
+    assert parse_args([*llama]).checkpoint.initial_load_format == "dcp"  # without it, the folder is not read as HF
+    assert 'initial_load_format = "hf"' in to_toml(cfg) and "initial_load_in_hf" not in to_toml(cfg)
+
+
+def test_torchtitan_initial_load_in_hf_false_conflicts_and_bad_values(tmp_path):
+    llama = _hf_config_folder(tmp_path)
+    toml = write(tmp_path, "[checkpoint]\ninitial_load_in_hf = true\n")
+    # false is TorchTitan's default and ours (DCP); the command line's value wins over the TOML's
+    assert parse_args([*llama, "--checkpoint.initial_load_in_hf", "false"]).checkpoint.initial_load_format == "dcp"
+    cfg = parse_args([*llama, "--job.config_file", toml, "--checkpoint.initial_load_in_hf", "false"])
+    assert cfg.checkpoint.initial_load_format == "dcp"
+    # the same ask twice is no conflict; another format beside it is one error naming both keys and sources
+    cfg = parse_args([*llama, "--job.config_file", toml, "--checkpoint.initial_load_format", "hf"])
+    assert cfg.checkpoint.initial_load_format == "hf"
+    with pytest.raises(ConfigError) as err:
+        parse_args([*llama, "--job.config_file", toml, "--checkpoint.initial_load_format", "dcp"])
+    assert str(err.value) == (f"checkpoint.initial_load_in_hf = True in {toml} means checkpoint.initial_load_format "
+                              "= 'hf', but checkpoint.initial_load_format = 'dcp' in the command line: set one of "
+                              "them")  # fmt: skip
+    with pytest.raises(ConfigError, match=r"^checkpoint.initial_load_in_hf = 'yes' in the command line: expected bool"):
+        parse_args([*llama, "--checkpoint.initial_load_in_hf", "yes"])
+    with pytest.raises(ConfigError, match=r"^--checkpoint.initial_load_in_hf on the command line needs a value"):
+        parse_args([*llama, "--checkpoint.initial_load_in_hf"])
 
 
 def test_help_prints_each_key_default_once(capsys, monkeypatch):

@@ -12,7 +12,7 @@ import typing
 from pathlib import Path
 
 from torchtitan.config_validation import check_batch_sizes, validate
-from torchtitan.errors import ConfigError
+from torchtitan.errors import ConfigError, at, value_of
 from torchtitan.job_config import JobConfig, Model, _field_docs, _leaf_fields, _sections
 
 __all__ = ["ConfigError", "JobConfig", "check_batch_sizes", "parse_args", "to_toml", "validate"]
@@ -145,23 +145,16 @@ _REMOVED_KEYS = {
 }
 
 
-# Keys of older releases replaced by another key, with what to write instead when the old one asks for something.
-_REPLACED_KEYS = {
-    "checkpoint.initial_load_in_hf": "checkpoint.initial_load_format = 'hf' (a Hugging Face folder; 'dcp', the "
-    "default, reads our checkpoints, 'dit_pt' a facebookresearch/DiT .pt)",
-}
-_RETIRED_KEYS = frozenset(_REMOVED_KEYS) | frozenset(_REPLACED_KEYS)
+# TorchTitan's keys that say what one of ours says: key -> (our key, {its value: our value}). A value not listed asks
+# for nothing: initial_load_in_hf = false is TorchTitan's default, a DCP checkpoint, and ours.
+_ALIASES = {"checkpoint.initial_load_in_hf": ("checkpoint.initial_load_format", {True: "hf"})}
+_RETIRED_KEYS = frozenset(_REMOVED_KEYS) | frozenset(_ALIASES)
 
 
 def _check_removed_key(key: str, value, source: str) -> None:
-    """Raises for a removed key (_REMOVED_KEYS) with the key (_REPLACED_KEYS) or model.converters to write instead.
-    A value that asks for nothing is let through: quantize.linear.float8.enable = false,
-    checkpoint.initial_load_in_hf = false, and '' for the fused switches, as resolved config.toml files of older runs
-    hold them (sample.py reads those)."""
-    if key in _REPLACED_KEYS:
-        if value in (False, "false", "False", "0"):
-            return
-        raise ConfigError(f"{key} = {value!r} in {source}: removed; use {_REPLACED_KEYS[key]}")
+    """Raises for a removed key (_REMOVED_KEYS) with the model.converters to write instead. A value that asks for
+    nothing is let through: quantize.linear.float8.enable = false and '' for the fused switches, as resolved
+    config.toml files of older runs hold them (sample.py reads those)."""
     converter = _REMOVED_KEYS[key]
     if value == "" or (converter == "float8" and value in (False, "false", "False", "0")):
         return
@@ -179,20 +172,46 @@ def _check_removed_key(key: str, value, source: str) -> None:
     raise ConfigError(f"{key} = {value!r} in {source}: removed; use {suggestion}")
 
 
-def _without_removed_keys(argv: list[str]) -> list[str]:
-    """argv without the removed keys that ask for nothing (see _check_removed_key); raises for the others."""
-    out, i = [], 0
+def _pop_retired_keys(argv: list[str]) -> tuple[list[str], dict[str, tuple]]:
+    """argv without the removed keys that ask for nothing (see _check_removed_key; raises for the others) and
+    without TorchTitan's aliases (_ALIASES), whose values it returns: {key: (value, "the command line")}."""
+    out, aliases, i = [], {}, 0
     while i < len(argv):
         name, has_value, value = argv[i].partition("=")
         if name.startswith("--") and name[2:] in _RETIRED_KEYS:
             if not has_value:
                 value = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else None
                 i += value is not None
-            _check_removed_key(name[2:], value, "the command line")
+            if name[2:] in _ALIASES:
+                if value is None:
+                    raise ConfigError(f"{name} on the command line needs a value (true or false)")
+                aliases[name[2:]] = (value, "the command line")
+            else:
+                _check_removed_key(name[2:], value, "the command line")
         else:
             out.append(argv[i])
         i += 1
-    return out
+    return out, aliases
+
+
+def _apply_aliases(cfg: JobConfig, aliases: dict[str, tuple]) -> None:
+    """Sets our key for each TorchTitan alias that asks for something, its source naming the alias.
+
+    Raises:
+        ConfigError: the alias's value is of the wrong type, or our key is set to something else (both named).
+    """
+    for key, (value, source) in aliases.items():
+        ours, meaning = _ALIASES[key]
+        wanted = meaning.get(_convert(value, bool, key, source))  # TorchTitan's aliases are booleans
+        if wanted is None:
+            continue
+        if ours not in cfg._sources:
+            _set(cfg, ours, wanted)
+            cfg._sources[ours] = f"{source} (as {key} = {value!r})"
+        elif value_of(cfg, ours) != wanted:
+            raise ConfigError(
+                f"{key} = {value!r} in {source} means {ours} = {wanted!r}, but {at(cfg, ours)}: set one of them"
+            )
 
 
 def parse_args(argv: list[str] | None = None) -> JobConfig:
@@ -203,7 +222,7 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     Raises:
         ConfigError: unknown section/key, wrong type or impossible value; the message names key and source.
     """
-    argv = _without_removed_keys(sys.argv[1:] if argv is None else argv)
+    argv, cli_aliases = _pop_retired_keys(sys.argv[1:] if argv is None else argv)
     fields = {key: (f, ftype, owner) for key, f, ftype, owner in _leaf_fields(JobConfig)}
     parser = _build_parser(fields)
     unknown = [a.split("=")[0] for a in argv if a.startswith("--") and a.split("=")[0][2:] not in fields]
@@ -211,7 +230,7 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     if unknown:
         raise ConfigError(f"unknown option {unknown[0]} on the command line (keys look like --training.steps)")
     args = parser.parse_args(_attach_values(argv, fields))
-    cfg = JobConfig()
+    cfg, aliases = JobConfig(), {}
     config_file = getattr(args, "job.config_file") or ""
     if config_file:
         path = Path(config_file)
@@ -224,6 +243,9 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{config_file} is not valid TOML: {e}") from e
         for key, value in _flatten_toml(data).items():
+            if key in _ALIASES:
+                aliases[key] = (value, config_file)
+                continue
             if key in _RETIRED_KEYS:
                 _check_removed_key(key, value, config_file)
                 continue
@@ -240,6 +262,7 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
             _set(cfg, key, _convert(value, fields[key][1], key, "the command line"))
             cfg._sources[key] = "the command line"
     cfg.job.config_file = config_file
+    _apply_aliases(cfg, aliases | cli_aliases)  # the command line's over the TOML's
     validate(cfg)
     return cfg
 

@@ -301,7 +301,7 @@ class Checkpoint:
     torchtitan/models/dit/lightningdit_adapter.py; needs a LightningDiT-* flavor of its shapes and its transport's time
     (diffusion.time_input = '1-t'). From 'hf', 'dit_pt', 'repa_pt', 'diffusers' and 'lightningdit_pt' the model only:
     the EMA starts at the loaded weights. The file or folder is read whenever the run starts with no checkpoint of
-    its own."""
+    its own. TorchTitan's checkpoint.initial_load_in_hf = true is read as 'hf'."""
     last_save_model_only: bool = False
     """The final checkpoint holds model and EMA only."""
     export_dtype: str = "float32"
