@@ -31,8 +31,8 @@ from tests.data.sampler_reference.make_reference import (
     tiny_velocity,
 )
 from torchtitan.config_manager import parse_args
-from torchtitan.config_validation import ConfigError
 from torchtitan.diffusion import GaussianDiffusion, RectifiedFlow, SDESettings, sample_images, sampler_options
+from torchtitan.errors import ConfigError
 
 DATA = Path(__file__).parent / "data" / "sampler_reference"
 TOLERANCE = 1e-5

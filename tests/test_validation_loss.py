@@ -15,10 +15,10 @@ import torch
 from tests.conftest import TINY
 from torchtitan.components.validation_loss import HeldOutLoss
 from torchtitan.config_manager import parse_args
-from torchtitan.config_validation import ConfigError
 from torchtitan.datasets import build_dataset, build_held_out_dataset
 from torchtitan.datasets.digits import DigitsDataset
 from torchtitan.diffusion import build_diffusion
+from torchtitan.errors import ConfigError
 from torchtitan.models.dit import DiT, dit_configs
 
 LOSS_FLAGS = ["--validation.enable", "true", "--validation.fid_num_samples", "0"]

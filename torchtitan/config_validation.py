@@ -374,7 +374,7 @@ def _check_sampler(cfg, errors: list[str]) -> None:
                       f"{cfg.source_of('diffusion.objective')}) samples with {list(samplers[objective])}")  # fmt: skip
     flow_only = {"sampling.guidance_low": 0.0, "sampling.guidance_high": 1.0, "sampling.timestep_shift": 1.0}
     for key, default in flow_only.items():
-        if objective == "ddpm" and _value(cfg, key) != default:
+        if objective == "ddpm" and value_of(cfg, key) != default:
             errors.append(f"{at(cfg, key)}: rectified_flow's; diffusion.objective 'ddpm' (in "
                           f"{cfg.source_of('diffusion.objective')}) guides every step of its own grid")  # fmt: skip
     if s.guidance_low >= s.guidance_high:
@@ -385,7 +385,7 @@ def _check_sampler(cfg, errors: list[str]) -> None:
         errors.append(f"{at(cfg, 'sampling.timestep_shift')}: the ODE samplers' ('euler', 'heun'); {sde} steps "
                       "evenly, as SiT's and REPA's")  # fmt: skip
     for key in ("sampling.steps", "validation.fid_sampling_steps"):
-        if s.sampler == "sde" and _value(cfg, key) == 1:
+        if s.sampler == "sde" and value_of(cfg, key) == 1:
             errors.append(f"{at(cfg, key)}: the 'sde' sampler (in {cfg.source_of('sampling.sampler')}) takes at "
                           "least 2 (its last step is a step of its own)")  # fmt: skip
 

@@ -47,9 +47,10 @@ rows as a JSON list, as scripts/benchmark.py does. Examples (the DiT checkout ne
 sample_ddp.py and diffusion/; REPA's generate.py, samplers.py, utils.py, models/; timm, torchvision and diffusers
 installed):
 
-    python scripts/benchmarks/benchmark_sampling.py --reference-dit build/ref_dit --num-samples 256 --batch 64 --json-out s.json
-    python scripts/benchmarks/benchmark_sampling.py --reference-repa build/ref_repa --gpus 0,1 --num-samples 512 --batch 64 \
-        --ours-extra=--compile --json-out repa.json
+    python scripts/benchmarks/benchmark_sampling.py --reference-dit build/ref_dit --num-samples 256 --batch 64 \
+        --json-out s.json
+    python scripts/benchmarks/benchmark_sampling.py --reference-repa build/ref_repa --gpus 0,1 --num-samples 512 \
+        --batch 64 --ours-extra=--compile --json-out repa.json
 """
 
 import argparse

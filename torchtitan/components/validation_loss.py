@@ -30,11 +30,11 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import default_collate
 
-from torchtitan.config_validation import ConfigError, at
 from torchtitan.datasets import build_held_out_dataset
 from torchtitan.datasets.loader import held_out_positions
 from torchtitan.datasets.prefetch import batch_to_device
 from torchtitan.diffusion import validation_timesteps
+from torchtitan.errors import ConfigError, at
 from torchtitan.tools.logging import logger
 
 NUM_TIMESTEPS = 8  # SD3's

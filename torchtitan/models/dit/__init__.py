@@ -111,8 +111,8 @@ def reads_stored_features(job_config, args: DiTArgs) -> bool:
             (model.patch_size), or 'stored' finds none (alignment.features); naming the key and the meta.json.
     """
     from torchtitan.alignment.features import features_mismatch
-    from torchtitan.config_validation import ConfigError, at
     from torchtitan.datasets.latents import META_FILE, read_meta
+    from torchtitan.errors import ConfigError, at
 
     align, training = job_config.alignment, job_config.training
     if not args.align_depth or align.features == "encoder":
