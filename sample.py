@@ -38,13 +38,30 @@ Arguments that cannot give images (`--cfg-scale nan`, `--num-samples 0`, ...) ex
 code (read through an allow-list, docs/checkpoint.md: nothing it names runs).
 
 With `--npz`, N samples are written as `arr_0` (N, H, W, 3) uint8 (grey images repeated to RGB) and
-their labels as `arr_1`, the format of ADM's evaluation suite. Under torchrun each rank generates every
-world_size-th batch and rank 0 assembles them in order. Batch b's noise comes from a generator seeded by
-(seed, b), so the samples do not depend on the number of ranks. Labels cycle through the classes
-(`--classes`, or all of them: an exactly balanced set; `torchtitan.diffusion.labels_for`, as the FID while training).
+their labels as `arr_1`, the format of ADM's evaluation suite (plus `settings`, what they were sampled with).
+Labels cycle through the classes (`--classes`, or all of them: an exactly balanced set;
+`torchtitan.diffusion.labels_for`, as the FID while training). Sample i's noise, its starting noise and any step
+noise of a stochastic sampler, comes from a generator seeded by (seed, i) alone (`torchtitan.diffusion.sample_noise`),
+so 1, 2 or 4 ranks and any `--batch-size` give the same images (on a GPU, to the rounding of other batch shapes).
+
+The samples go in shards of `--shard-size` (OUT.shards/shard-0000k.npz, each written whole or not at all, each
+recording the settings it was sampled with); under torchrun rank r samples shards r, r + world, ... A killed run
+(a job's time limit) continues when the same command runs again, on any number of ranks: finished shards are kept,
+the rest sampled, and the file is the one an uninterrupted run writes. A run whose settings differ from a shard's
+(checkpoint, seed, sampler, steps, guidance, classes, precision, ...: every flag but --batch-size, --compile and
+--decode-batch-size) is refused with one `error:` line naming the file and the flag. Rank 0 then streams the shards
+into OUT and removes them; an existing OUT is never overwritten (with the same settings the command does nothing).
+
+FID-50K on 4 GPUs, then ADM's five numbers (docs/latent.md):
+
+    torchrun --nproc_per_node=4 sample.py --checkpoint RUN --num-samples 50000 --sampler heun --steps 25 \
+        --cfg-scale 1.5 --compile --npz samples.npz && \
+    python scripts/evaluate_fid.py --samples samples.npz --reference VIRTUAL_imagenet256_labeled.npz \
+        --inception-weights pt_inception-2015-12-05-6726825d.pth
 """
 
 import argparse
+import datetime
 import math
 import os
 import sys
@@ -58,10 +75,22 @@ import torch.distributed as dist
 
 from torchtitan.config_manager import JobConfig
 from torchtitan.config_validation import value_problem
-from torchtitan.diffusion import batch_noise, build_diffusion, check_sampler, labels_for, sample_images, sampler_options
+from torchtitan.diffusion import (
+    build_diffusion,
+    check_sampler,
+    labels_for,
+    sample_images,
+    sample_noise,
+    sampler_options,
+)
 from torchtitan.models.dit.weights import load_model, resolve_checkpoint
 from torchtitan.tools.images import save_image_grid, to_uint8_nhwc
 from torchtitan.tools.logging import init_logger, logger
+from torchtitan.tools.sample_shards import ShardedSamples
+
+# Flags that change how fast samples come or where they go, not what they are: a run resumed from its shards may
+# change them. Every other flag is recorded in each shard (`sampling_settings`).
+SPEED_FLAGS = ("batch_size", "compile", "decode_batch_size", "npz", "out", "checkpoint")
 
 # Flags that stand for the [sampling] key of the same name (over the run's config).
 SAMPLING_FLAGS = ("guidance_low", "guidance_high", "timestep_shift", "sde_diffusion_form", "sde_diffusion_norm",
@@ -88,7 +117,8 @@ class Sampler:
         check_sampler(self.diffusion, self.sampler, self.steps, self.options["guidance_interval"],
                       self.options["timestep_shift"])  # fmt: skip
         self.seed = args.seed
-        self.autocast = device.type == "cuda"
+        self.precision = resolve_precision(args.precision, cfg, device)
+        self.decode_batch_size = args.decode_batch_size
         if cfg.latent.tokenizer:
             from torchtitan.datasets.tokenizers import load_training_decoder
 
@@ -96,14 +126,14 @@ class Sampler:
             load_training_decoder(cfg, device)
 
     @torch.no_grad()
-    def batch(self, index: int, labels: torch.Tensor | None, size: int) -> torch.Tensor:
-        """Batch `index` of the run: its own seeded noise, so it is the same on any rank."""
+    def batch(self, indices: list[int] | range, labels: torch.Tensor | None) -> torch.Tensor:
+        """Samples `indices` of the run: each sample's noise its own (`sample_noise`), whatever its batch or rank."""
         a = self.model_args
-        noise, generator = batch_noise(self.seed, index, size, a.in_channels, a.input_size)
+        noise, generator = sample_noise(self.seed, indices, a.in_channels, a.input_size)
         noise = noise.to(self.device)
         y = labels.to(self.device) if labels is not None else None
         latent = bool(self.cfg.latent.tokenizer)
-        with torch.autocast(self.device.type, torch.bfloat16, enabled=self.autocast):
+        with torch.autocast(self.device.type, torch.bfloat16, enabled=self.precision == "bf16"):
             x = sample_images(self.diffusion, self.model, noise, y, self.steps, self.sampler, self.cfg_scale,
                               a.num_classes, clip_denoised=not latent,
                               guidance_channels=self.guidance_channels, generator=generator,
@@ -111,60 +141,88 @@ class Sampler:
         if latent:
             from torchtitan.datasets.tokenizers import decode_for_training
 
-            x = decode_for_training(self.cfg, x)
+            x = decode_for_training(self.cfg, x, self.decode_batch_size)
         return x.float().clamp(-1, 1)
+
+
+def resolve_precision(flag: str, cfg: JobConfig, device: torch.device) -> str:
+    """--precision auto: bf16 autocast on a GPU when the run trained in bf16 (training.mixed_precision_param; a
+    .pt's config has the default, bfloat16), fp32 otherwise."""
+    if flag != "auto":
+        return flag
+    trained_bf16 = cfg.training.mixed_precision_param == "bfloat16"
+    return "bf16" if device.type == "cuda" and trained_bf16 else "fp32"
 
 
 def write_grid(sampler: Sampler, args, classes: list[int]) -> Path:
     labels = labels_for(args.num_samples, classes, sampler.model_args.num_classes)
     images = []
-    for b, start in enumerate(range(0, args.num_samples, args.batch_size)):
-        size = min(args.batch_size, args.num_samples - start)
-        images.append(sampler.batch(b, labels[start : start + size] if labels is not None else None, size).cpu())
+    for start in range(0, args.num_samples, args.batch_size):
+        indices = range(start, min(start + args.batch_size, args.num_samples))
+        images.append(sampler.batch(indices, labels[start : indices.stop] if labels is not None else None).cpu())
     columns = len(classes) or sampler.model_args.num_classes
     nrow = columns if columns and args.num_samples % columns == 0 else 0  # one class per column
     return save_image_grid(torch.cat(images), Path(args.out), nrow)
 
 
-def write_npz(sampler: Sampler, args, classes: list[int], rank: int, world: int) -> Path | None:
-    """Each rank samples every world-th batch into a part file; rank 0 assembles them in order."""
+def sampling_settings(args: argparse.Namespace, weights: Path, precision: str) -> dict:
+    """What the samples are a function of, as each shard records it: every flag but SPEED_FLAGS, the weights (path,
+    and size and modification time of a file: a re-exported ema.safetensors is other weights) and the precision."""
+    settings = {f"--{k.replace('_', '-')}": v for k, v in sorted(vars(args).items()) if k not in SPEED_FLAGS}
+    settings["weights"] = str(weights.resolve())
+    if weights.is_file():
+        stat = weights.stat()
+        settings["weights_bytes_mtime_ns"] = [stat.st_size, stat.st_mtime_ns]
+    settings["precision"] = precision
+    return settings
+
+
+def sample_shards(sampler: Sampler, shards: ShardedSamples, pending: list[int], labels: torch.Tensor | None,
+                  batch_size: int, progress: bool) -> None:  # fmt: skip
+    """Samples the shards `pending`, in order, writing each once its last sample is done. Batches run across shard
+    boundaries, all of `batch_size` samples (the last padded with copies of its last): one shape to compile."""
     from tqdm import tqdm
 
-    out = Path(args.npz)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    labels = labels_for(args.num_samples, classes, sampler.model_args.num_classes)
-    starts = list(range(0, args.num_samples, args.batch_size))
-    parts = {}
-    mine = range(rank, len(starts), world)
-    for b in tqdm(mine, desc="sampling", disable=rank != 0):
-        size = min(args.batch_size, args.num_samples - starts[b])
-        y = labels[starts[b] : starts[b] + size] if labels is not None else None
-        parts[f"batch_{b}"] = to_uint8_nhwc(sampler.batch(b, y, size))  # on the host: the batch is done
-        if b == mine[0]:
+    arr_1 = (labels if labels is not None else torch.zeros(shards.num_samples, dtype=torch.int64)).numpy()
+    order = [i for k in pending for i in shards.indices(k)]  # the samples, shard by shard
+    images, written = [], 0  # images of the shards pending[written:], in order
+    starts = range(0, len(order), batch_size)
+    for n, start in enumerate(tqdm(starts, desc="sampling", disable=not progress)):
+        batch = order[start : start + batch_size]
+        padded = batch + batch[-1:] * (batch_size - len(batch))
+        x = sampler.batch(padded, labels[padded] if labels is not None else None)
+        images.extend(to_uint8_nhwc(x[: len(batch)]))  # on the host: the batch is done
+        if n == 0:
             first_done = time.perf_counter()  # the first batch holds compilation and warm-up
-    if len(mine) > 1:  # this rank's rate once warm, images through the decoder to uint8
-        images, seconds = sum(len(parts[f"batch_{b}"]) for b in mine[1:]), time.perf_counter() - first_done
-        logger.info(f"sampling: {images} images after the first batch in {seconds:.2f} s: "
-                    f"{images / seconds:.2f} images/s")  # fmt: skip
-    part_file = out.with_name(f"{out.name}.part{rank}.npz")
-    np.savez(part_file, **parts)
+        while written < len(pending) and len(images) >= len(shards.indices(pending[written])):
+            size = len(shards.indices(pending[written]))
+            shards.write(pending[written], np.stack(images[:size]), arr_1[shards.indices(pending[written])])
+            images, written = images[size:], written + 1
+    if len(starts) > 1:  # this rank's rate once warm, images through the decoder to uint8
+        count, seconds = len(order) - batch_size, time.perf_counter() - first_done
+        logger.info(f"sampling: {count} images after the first batch in {seconds:.2f} s: "
+                    f"{count / seconds:.2f} images/s")  # fmt: skip
+
+
+def write_npz(sampler: Sampler, args, classes: list[int], rank: int, world: int, weights: Path) -> Path | None:
+    """Samples the shards of `--npz` this rank owns (shard k: rank k % world) that are not written yet, then rank 0
+    assembles the file (torchtitan/tools/sample_shards.py)."""
+    shards = ShardedSamples(Path(args.npz), args.num_samples, args.shard_size,
+                            sampling_settings(args, weights, sampler.precision))  # fmt: skip
+    if shards.assembled():
+        shards.remove_leftovers()
+        logger.info(f"{shards.out} already holds these samples")
+        return shards.out if rank == 0 else None
+    labels = labels_for(args.num_samples, classes, sampler.model_args.num_classes)
+    done = shards.done()
+    if done and rank == 0:
+        logger.info(f"resuming: {len(done)} of {shards.num_shards} shards in {shards.folder} are done")
+    pending = [k for k in range(rank, shards.num_shards, world) if k not in done]
+    batch_size = min(args.batch_size, args.num_samples)  # the same on every rank: one shape to compile
+    sample_shards(sampler, shards, pending, labels, batch_size, progress=rank == 0)
     if dist.is_initialized():
-        dist.barrier()
-    if rank != 0:
-        return None
-    batches = {}
-    for r in range(world):
-        part = out.with_name(f"{out.name}.part{r}.npz")
-        with np.load(part) as data:
-            batches.update({int(k.split("_")[1]): data[k] for k in data.files})
-        part.unlink()
-    images = np.concatenate([batches[b] for b in range(len(starts))])
-    label_array = labels.numpy() if labels is not None else np.zeros(len(images), dtype=np.int64)
-    tmp = out.with_name(out.name + ".tmp")
-    with open(tmp, "wb") as f:
-        np.savez(f, arr_0=images, arr_1=label_array)
-    os.replace(tmp, out)
-    return out
+        dist.barrier()  # every shard is written
+    return shards.assemble() if rank == 0 else None
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -197,9 +255,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     flow.add_argument("--sde-last-step-size", type=float, help="where the SDE's last step starts (0.04)")
     parser.add_argument("--steps", type=int, default=None, help="sampler steps (default: the run's sampling.steps)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=256, help="samples a batch, a rank (guidance doubles it)")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the model (pays off over many batches: 50,000 FID samples)")  # fmt: skip
+    parser.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp32"),
+                        help="the model under bf16 autocast or in fp32 (auto: bf16 on a GPU when the run trained in "
+                             "bf16, training.mixed_precision_param)")  # fmt: skip
+    parser.add_argument("--decode-batch-size", type=int, default=64,
+                        help="latents a decoder call (bf16 on a GPU)")  # fmt: skip
+    parser.add_argument("--shard-size", type=int, default=500,
+                        help="--npz: samples a shard; a killed run resumes from its whole shards")  # fmt: skip
     parser.add_argument("--out", default="samples.png", help="PNG grid")
     parser.add_argument("--npz", default="", help="write an ADM-format .npz of all samples instead of a grid")
     parser.add_argument("--tokenizer-dir", default="", help="override latent.checkpoint_dir")
@@ -230,7 +295,7 @@ def parse_classes(text: str) -> list[int]:
 def check_args(args: argparse.Namespace) -> None:
     """Raises ValueError naming the flag of an argument that cannot give images (a NaN guidance scale gives a
     black grid, zero samples an empty one)."""
-    for flag in ("num_samples", "batch_size", "steps"):
+    for flag in ("num_samples", "batch_size", "steps", "decode_batch_size", "shard_size"):
         value = getattr(args, flag)
         if value is not None and value <= 0:
             raise ValueError(f"--{flag.replace('_', '-')} {value}: must be > 0")
@@ -257,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if world > 1:
-        dist.init_process_group("gloo")  # barriers only; samples travel through part files
+        # One barrier, after each rank's shards: the ranks' shares may end minutes apart (a resumed run's above all).
+        dist.init_process_group("gloo", timeout=datetime.timedelta(hours=6))
     device = torch.device("cpu")
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -271,7 +337,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.compile:
             model = torch.compile(model)
         sampler = Sampler(cfg, model, model_args, device, args)
-        path = write_npz(sampler, args, classes, rank, world) if args.npz else write_grid(sampler, args, classes)
+        if args.npz:
+            path = write_npz(sampler, args, classes, rank, world, weights)
+        else:
+            path = write_grid(sampler, args, classes)
     except (FileNotFoundError, ValueError, RuntimeError) as e:  # RuntimeError: a tokenizer file, named
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -208,7 +208,7 @@ def test_sample_py_and_convert_dit_read_the_pt(tmp_path, tiny_flavor, capsys):
 
     import scripts.convert_vavae as convert_vavae
     from tests.test_convert_vavae import write_tiny_vavae
-    from torchtitan.diffusion import batch_noise
+    from torchtitan.diffusion import sample_noise
     from torchtitan.tools.images import to_uint8_nhwc
 
     assert convert_vavae.main([str(write_tiny_vavae(tmp_path / "v.ckpt")), str(tmp_path / "vae")]) == 0
@@ -223,7 +223,7 @@ def test_sample_py_and_convert_dit_read_the_pt(tmp_path, tiny_flavor, capsys):
     images = np.load(npz)["arr_0"]
     assert images.shape == (3, 8, 8, 3) and images.std() > 0
 
-    noise, _ = batch_noise(0, 0, 3, 8, 4)
+    noise, _ = sample_noise(0, range(3), 8, 4)
     flow = RectifiedFlow(time_input="1-t")
     with torch.no_grad():
         latents = sample_images(flow, converted(CHECKPOINT), noise, torch.tensor([1, 4, 9]), 3, "euler", 2.0, 10,

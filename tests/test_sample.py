@@ -1,6 +1,7 @@
 """sample.py: grids from a run folder (its ema.safetensors first) or a DCP step folder, ADM .npz over torchrun ranks,
 and arguments refused by flag."""
 
+import json
 import os
 import re
 import shutil
@@ -39,23 +40,86 @@ def test_grid_from_export_and_from_dcp_agree(digits_run, tmp_path):
 
 
 def test_npz_over_two_ranks_matches_one_process(digits_run, tmp_path, capfd):
-    """Also: the rate once warm is logged (batches 2 and 3: 4 images), and --compile gives the same images to one
-    uint8 level (compiled kernels round differently)."""
-    args = ["--checkpoint", str(digits_run), "--num-samples", "7", "--batch-size", "3", "--steps", "2"]
-    assert sample.main([*args, "--npz", str(tmp_path / "one.npz")]) == 0
-    assert sample.main([*args, "--compile", "--npz", str(tmp_path / "compiled.npz")]) == 0
+    """Shards of 2 (shard k from rank k % 2), batches of 3 in one process and of 4 (padded) on 2 ranks: the same
+    file. Also: the rate once warm is logged (batches 2 and 3: 4 images), --compile gives the same images to one
+    uint8 level (compiled kernels round differently), and bf16 autocast reaches the model (other images)."""
+    args = ["--checkpoint", str(digits_run), "--num-samples", "7", "--steps", "2", "--shard-size", "2"]
+    assert sample.main([*args, "--batch-size", "3", "--npz", str(tmp_path / "one.npz")]) == 0
+    assert sample.main([*args, "--batch-size", "3", "--compile", "--npz", str(tmp_path / "compiled.npz")]) == 0
+    assert sample.main([*args, "--precision", "bf16", "--npz", str(tmp_path / "bf16.npz")]) == 0  # one batch
     logged = "".join(capfd.readouterr())
     assert re.search(r"sampling: 4 images after the first batch in \d+\.\d\d s: \d+\.\d\d images/s", logged), logged
-    cmd = [*launcher(2), "sample.py", *args, "--npz", str(tmp_path / "two.npz")]
+    cmd = [*launcher(2), "sample.py", *args, "--batch-size", "4", "--npz", str(tmp_path / "two.npz")]
     result = run_to_end(cmd, 300, ROOT, {**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     one, two = np.load(tmp_path / "one.npz"), np.load(tmp_path / "two.npz")
     assert one["arr_0"].shape == (7, 16, 16, 3) and one["arr_0"].dtype == np.uint8
     assert one["arr_1"].tolist() == [0, 1, 2, 3, 4, 5, 6]
     assert np.array_equal(one["arr_0"], two["arr_0"]) and np.array_equal(one["arr_1"], two["arr_1"])
-    compiled = np.load(tmp_path / "compiled.npz")
+    assert json.loads(str(one["settings"]))["--steps"] == 2
+    compiled, bf16 = np.load(tmp_path / "compiled.npz"), np.load(tmp_path / "bf16.npz")
     assert np.abs(compiled["arr_0"].astype(int) - one["arr_0"].astype(int)).max() <= 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["compiled.npz", "one.npz", "two.npz"]  # part files gone
+    assert 0 < np.abs(bf16["arr_0"].astype(int) - one["arr_0"].astype(int)).max() <= 2  # 1 measured
+    assert json.loads(str(bf16["settings"]))["precision"] == "bf16"
+    # Shard folders gone once assembled.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bf16.npz", "compiled.npz", "one.npz", "two.npz"]
+
+
+def test_npz_resumes_from_its_shards_and_refuses_other_settings(digits_run, tmp_path, monkeypatch, capsys):
+    """A run cut short (ranks 1 and 2 of 3 done, rank 0 killed, a half-written shard left) resumes in one process
+    with another batch size: it samples only the missing shards and writes the file of an uninterrupted run. Other
+    settings are refused, naming the file and the flag, with nothing sampled; a finished file is never resampled."""
+    out = tmp_path / "x.npz"
+    args = ["--checkpoint", str(digits_run), "--num-samples", "7", "--steps", "2", "--shard-size", "2", "--npz"]
+    assert sample.main([*args, str(tmp_path / "whole.npz"), "--batch-size", "7"]) == 0
+    sampled = []
+    batch = sample.Sampler.batch
+    monkeypatch.setattr(
+        sample.Sampler, "batch", lambda self, indices, y: sampled.extend(indices) or batch(self, indices, y)
+    )
+    monkeypatch.setattr(sample.dist, "init_process_group", lambda *a, **k: None)  # ranks of 3, one after the other
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    for rank in ("1", "2"):
+        monkeypatch.setenv("RANK", rank)
+        assert sample.main([*args, str(out), "--batch-size", "1"]) == 0
+    assert sampled == [2, 3, 4, 5] and not out.exists()  # shards 1 and 2; shards 0 and 3 are rank 0's
+    shards = tmp_path / "x.npz.shards"
+    assert sorted(p.name for p in shards.iterdir()) == ["shard-00001.npz", "shard-00002.npz"]
+    (shards / "shard-00000.npz.tmp").write_bytes(b"killed while writing")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    capsys.readouterr()
+
+    assert sample.main([*args, str(out), "--cfg-scale", "3"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "INFO" not in line]
+    assert err == [f"error: {shards / 'shard-00001.npz'} was sampled with --cfg-scale null, this run asks "
+                   f"--cfg-scale 3.0: run the command that made it, or remove {shards} to start over"]  # fmt: skip
+    assert sampled == [2, 3, 4, 5] and len(list(shards.iterdir())) == 3
+
+    sampled.clear()
+    assert sample.main([*args, str(out), "--batch-size", "2"]) == 0
+    assert "resuming: 2 of 4 shards" in capsys.readouterr().err
+    assert sampled == [0, 1, 6, 6]  # shards 0 and 3, the last batch padded
+    whole, resumed = np.load(tmp_path / "whole.npz"), np.load(out)
+    for key in ("arr_0", "arr_1", "settings"):
+        assert np.array_equal(whole[key], resumed[key]), key
+    assert not shards.exists()
+
+    sampled.clear()
+    assert sample.main([*args, str(out), "--batch-size", "3"]) == 0  # the same command again: nothing to do
+    assert sampled == [] and f"{out} already holds these samples" in capsys.readouterr().err
+    assert sample.main([*args, str(out), "--seed", "1"]) == 2
+    assert (
+        capsys.readouterr()
+        .err.splitlines()[-1]
+        .startswith(f"error: --npz {out} exists: {out} was sampled with --seed 0, this run asks --seed 1")
+    )
+    foreign = tmp_path / "foreign.npz"
+    np.savez(foreign, arr_0=np.zeros((7, 16, 16, 3), np.uint8))
+    assert sample.main([*args, str(foreign)]) == 2
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last == f"error: --npz {foreign} exists: {foreign}: has no settings (not written by sample.py --npz)"
+    assert sampled == [] and np.load(foreign)["arr_0"].shape == (7, 16, 16, 3)
 
 
 def test_errors(digits_run, tmp_path, capsys):
@@ -99,6 +163,8 @@ def test_run_folder_prefers_ema_safetensors(digits_run, tmp_path):
         (["--steps", "0"], "--steps 0: must be > 0"),
         (["--batch-size", "0"], "--batch-size 0: must be > 0"),
         (["--batch-size", "-1"], "--batch-size -1: must be > 0"),
+        (["--shard-size", "0"], "--shard-size 0: must be > 0"),
+        (["--decode-batch-size", "0"], "--decode-batch-size 0: must be > 0"),
         (["--classes", "1,x"], "--classes '1,x': must be comma-separated class indices"),
         (["--guidance-channels", "0"], "--guidance-channels 0: must be -1 (all) or >= 1"),
         (["--guidance-high", "1.5"], "--guidance-high 1.5: must be in [0, 1]"),

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from torchtitan.diffusion import batch_noise, labels_for, sample_images, sampler_options
+from torchtitan.diffusion import labels_for, sample_images, sample_noise, sampler_options
 from torchtitan.errors import ConfigError, at
 from torchtitan.tools.adm_metrics import IS_SPLIT_SIZE as ADM_SPLIT_SIZE  # compute_inception_score's split_size
 from torchtitan.tools.adm_metrics import class_probabilities
@@ -257,8 +257,8 @@ class FIDValidator:
         labels = labels_for(v.fid_num_samples, [], a.num_classes)  # class-balanced, as sample.py's
         self.network.to(self.device)
         for batch in rank_batches(v.fid_num_samples, v.fid_batch_size, self.dp_rank, self.dp_degree):
-            index, first, size = batch if batch is not None else (0, 0, 1)  # padding: one sample, thrown away
-            noise, generator = batch_noise(s.seed, index, size, a.in_channels, a.input_size)
+            _, first, size = batch if batch is not None else (0, 0, 1)  # padding: one sample, thrown away
+            noise, generator = sample_noise(s.seed, range(first, first + size), a.in_channels, a.input_size)
             y = labels[first : first + size].to(self.device) if labels is not None else None
             with compute_context():
                 x = sample_images(self.diffusion, model, noise.to(self.device), y, v.fid_sampling_steps, s.sampler,

@@ -8,19 +8,22 @@ import math
 import torch
 
 from torchtitan.diffusion.ddpm import GaussianDiffusion, ModelFn
+from torchtitan.diffusion.noise import IndexedNoise, normal_like, sample_noise
 from torchtitan.diffusion.rectified_flow import RectifiedFlow, SDESettings
 
 __all__ = [
     "GaussianDiffusion",
+    "IndexedNoise",
     "RectifiedFlow",
     "SDESettings",
-    "batch_noise",
     "build_diffusion",
     "check_sampler",
     "drop_labels",
     "guided",
     "labels_for",
+    "normal_like",
     "sample_images",
+    "sample_noise",
     "sampler_options",
     "validation_timesteps",
 ]
@@ -67,20 +70,6 @@ def guided(model: ModelFn, cfg_scale: float, null_class: int, guide_channels: in
         return torch.cat([guided_part, cond[:, guide_channels:]], dim=1)
 
     return fn
-
-
-SEED_STRIDE = 1_000_003  # batch b of a run seeded s draws its noise from seed s * SEED_STRIDE + b
-
-
-def batch_noise(
-    seed: int, index: int, size: int, channels: int, image_size: int
-) -> tuple[torch.Tensor, torch.Generator]:
-    """The starting noise of batch `index` of a sampling run, on the CPU from a generator of its own, and that
-    generator, which then draws the stochastic 'ddpm' sampler's step noise (`sample_images(generator=...)`): the same
-    batch gets the same images on any rank and in any program that samples it (`sample.py --npz`, the FID while
-    training)."""
-    generator = torch.Generator().manual_seed(seed * SEED_STRIDE + index)
-    return torch.randn(size, channels, image_size, image_size, generator=generator), generator  # (B, C, H, W)
 
 
 def labels_for(num: int, classes: list[int], num_classes: int) -> torch.Tensor | None:
@@ -151,7 +140,7 @@ def sample_images(
     null_class: int = 0,
     clip_denoised: bool = False,
     guidance_channels: int = -1,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | IndexedNoise | None = None,
     *,
     guidance_interval: tuple[float, float] = (0.0, 1.0),
     timestep_shift: float = 1.0,
@@ -160,7 +149,7 @@ def sample_images(
     """Runs the objective's sampler ('ddim' or 'ddpm' for DDPM; 'euler', 'heun' or 'sde' for flow) with optional CFG
     on the first `guidance_channels` channels of the model's output (-1: all; 3: facebookresearch/DiT's
     `forward_with_cfg`). `generator` draws the step noise of the stochastic samplers, 'ddpm' and 'sde' (None: the
-    global RNG, as the references). The flow's samplers also take a guidance interval, outside of which the steps
+    global RNG, as the references; `IndexedNoise`: each sample's own, as `sample_noise` returns it). The flow's samplers also take a guidance interval, outside of which the steps
     run the conditional model alone, a timestep shift (the ODE's) and the SDE's settings (`RectifiedFlow.sample`)."""
     check_sampler(diffusion, sampler, steps, guidance_interval, timestep_shift)
     unguided = None

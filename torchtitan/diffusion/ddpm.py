@@ -10,16 +10,9 @@ from collections.abc import Callable
 
 import torch
 
+from torchtitan.diffusion.noise import IndexedNoise, normal_like
+
 ModelFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
-
-
-def step_noise_like(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """A stochastic sampler's step noise, standard normal like `x`: from `generator` (drawn on its device, then
-    moved), so that a batch need not depend on what ran before it, or from the global RNG as the references draw it
-    (`torch.randn_like`) when None."""
-    if generator is None:
-        return torch.randn_like(x)
-    return torch.randn(x.shape, generator=generator, device=generator.device).to(x.device)
 
 
 def _betas(schedule: str, num_timesteps: int) -> torch.Tensor:
@@ -241,7 +234,7 @@ class GaussianDiffusion:
         y,
         steps: int = 250,
         clip_denoised: bool = False,
-        generator: torch.Generator | None = None,
+        generator: torch.Generator | IndexedNoise | None = None,
     ):
         """Ancestral DDPM over `steps` respaced timesteps: the DiT paper's sampler (its FIDs use 250 steps).
 
@@ -250,8 +243,8 @@ class GaussianDiffusion:
         sees each step's ORIGINAL timestep, and its variance is iDDPM's learned range (from the model's last C
         channels) under learn_sigma, else the fixed large variance (the reference's default). The step noise is
         drawn after each model call, on the last step too, which adds none: from the same RNG state the samples
-        are the reference's. `generator` (CPU) draws it instead of the global RNG, so a batch need not depend on
-        what ran before it.
+        are the reference's. `generator` (a CPU torch generator, or each sample's own: `IndexedNoise`) draws it instead
+        of the global RNG, so a batch need not depend on what ran before it.
 
         Classifier-free guidance (`guided`) doubles the batch inside the model call, so the step noise is drawn
         for B samples; the reference's `forward_with_cfg` runs on a doubled chain and draws it for 2B, keeping the
@@ -269,7 +262,7 @@ class GaussianDiffusion:
             t = torch.full((x.shape[0],), kept[i], device=x.device, dtype=torch.long)
             out = model(x, t, y).float()
             mean, _ = self._p_mean(out[:, :C], x, lambda name, i=i: table[name][i], clip_denoised)
-            step_noise = step_noise_like(x, generator)
+            step_noise = normal_like(x, generator)
             if i == 0:  # the last step adds no noise (a one-step chain has no variance table to read)
                 x = mean
                 continue

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from torchtitan.diffusion.ddpm import ModelFn, step_noise_like
+from torchtitan.diffusion.ddpm import ModelFn
+from torchtitan.diffusion.noise import IndexedNoise, normal_like
 
 TIME_SCALE = 1000.0
 TIME_INPUTS = ("1000t", "t", "1-t")  # diffusion.time_input: what the model reads of our t
@@ -165,7 +166,7 @@ class RectifiedFlow:
             timestep_shift: the ODE's grid t_k = 1 - k / steps moved to t_k / (shift + (1 - shift) t_k):
                 LightningDiT's `timestep_shift` (below 1: more steps near the noise; SD3's shift is 1 / this).
             sde: the SDE's settings (None: SiT's defaults).
-            generator: draws the SDE's step noise (`step_noise_like`); None: the global RNG, as the references.
+            generator: draws the SDE's step noise (`normal_like`); None: the global RNG, as the references.
 
         Under x-prediction v is the floored conversion of training, as JiT samples: a step that starts at t < t_min
         moves x only (t - t_next) / t_min of the way towards x0_hat instead of (t - t_next) / t, so a grid with steps
@@ -207,7 +208,7 @@ class RectifiedFlow:
         times = torch.linspace(1.0, settings.last_step_size, steps, dtype=torch.float64).tolist()
         for t, t_next in zip(times[:-1], times[1:]):
             dt = t_next - t  # < 0: towards the data
-            step_noise = step_noise_like(x, generator)
+            step_noise = normal_like(x, generator)
             v = velocity(x, t, guide(t))
             w = settings.diffusion(t)
             x = x + dt * (v - w * ((t - 1) * v - x) / t) + math.sqrt(2 * w * -dt) * step_noise
