@@ -106,7 +106,9 @@ def test_cli_with_images_or_reference_statistics(inception_weights, tmp_path, ca
     common = ["--inception-weights", str(inception_weights), "--batch-size", "5", "--dims", "64"]
     args = ["--samples", str(tmp_path / "other.npz"), "--reference", str(tmp_path / "samples.npz"), *common]
     assert cli.main([*args, "--save-stats", str(tmp_path / "ref_stats.npz")]) == 0
-    from_images = json.loads(capsys.readouterr().out)["fid"]
+    result = json.loads(capsys.readouterr().out)
+    from_images = result["fid"]
+    assert result["settings"] is None  # not sample.py's file
     # ADM-style reference statistics (mu, sigma) give the same number as the images they came from.
     assert cli.main(["--samples", str(tmp_path / "samples.npz"), "--reference", str(tmp_path / "ref_stats.npz"),
                      *common]) == 0  # fmt: skip
@@ -314,7 +316,8 @@ def test_cli_prints_adms_five_numbers(network, inception_weights, tmp_path, caps
     pool, spatial = adm_features(network, images)
     (mu, sigma), (mu_s, sigma_s) = feature_statistics(pool), feature_statistics(spatial)
     adm_reference(tmp_path / "ref.npz", images, mu=mu + 1.0, sigma=sigma, mu_s=mu_s + 0.5, sigma_s=sigma_s)
-    np.savez(tmp_path / "samples.npz", arr_0=images, arr_1=np.arange(5))
+    settings = {"--sampler": "heun", "--steps": 25, "weights": "run/ema.safetensors"}  # as sample.py --npz records
+    np.savez(tmp_path / "samples.npz", arr_0=images, arr_1=np.arange(5), settings=np.array(json.dumps(settings)))
     logits = pool @ network.logits_weight.numpy().T  # no bias
     p = np.exp(logits - logits.max(1, keepdims=True))
     p /= p.sum(1, keepdims=True)
@@ -333,6 +336,7 @@ def test_cli_prints_adms_five_numbers(network, inception_weights, tmp_path, caps
     assert result["sfid"] == pytest.approx(2023 * 0.25, abs=1e-6 * np.trace(sigma_s))
     assert result["inception_score"] == pytest.approx(score, rel=1e-9)
     assert (result["precision"], result["recall"], result["num_samples"], result["dims"]) == (1.0, 1.0, 5, 2048)
+    assert result["settings"] == settings and result["inception_seconds"] > 0  # what the samples were drawn with
     lines = [line for line in err.splitlines() if ": " in line and not line.startswith("inception")]
     assert [line.split(": ")[0] for line in lines] == ["Inception Score", "FID", "sFID", "Precision", "Recall"]
     assert f"Recall: {result['recall']}" in err and f"FID: {result['fid']}" in err

@@ -18,17 +18,19 @@ from pathlib import Path
 import numpy as np
 
 
-def _read_settings(path: Path) -> dict:
-    """The `settings` JSON of a shard or an assembled file (ValueError naming the file when it has none)."""
+def stored_settings(path: str | Path) -> dict | None:
+    """The `settings` a shard or an assembled `sample.py --npz` file records, None when it has none.
+
+    Raises:
+        ValueError: the file cannot be read as an .npz (the message names it).
+    """
     try:
         with np.load(path) as data:  # allow_pickle=False: nothing in the file is unpickled
-            settings = str(data["settings"]) if "settings" in data.files else None
-        found = json.loads(settings) if settings is not None else None
+            text = str(data["settings"]) if "settings" in data.files else None
+        found = json.loads(text) if text is not None else None
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:  # JSONDecodeError is a ValueError
         raise ValueError(f"{path}: cannot be read ({e})") from e
-    if not isinstance(found, dict):
-        raise ValueError(f"{path}: has no settings (not written by sample.py --npz)")
-    return found
+    return found if isinstance(found, dict) else None
 
 
 def _npy_header(zf: zipfile.ZipFile, name: str) -> tuple[tuple[int, ...], np.dtype]:
@@ -66,7 +68,9 @@ class ShardedSamples:
         return range(k * self.shard_size, min((k + 1) * self.shard_size, self.num_samples))
 
     def _check(self, path: Path) -> None:
-        found = _read_settings(path)
+        found = stored_settings(path)
+        if found is None:
+            raise ValueError(f"{path}: has no settings (not written by sample.py --npz)")
         for key in sorted(set(found) | set(self.settings)):
             if found.get(key) != self.settings.get(key):
                 old, new = (json.dumps(side.get(key)) for side in (found, self.settings))
