@@ -32,26 +32,12 @@ from torchtitan.tools.fid import (
 
 @pytest.fixture(scope="module")
 def inception_weights(tmp_path_factory):
-    """A random InceptionV3 state dict with the FID network's keys, its batch norms calibrated on noise.
+    """A random InceptionV3 state dict with the FID network's keys, its batch norms calibrated on noise (features
+    O(1e5), where the defaults give ~1e10), a small softmax weight (an unsaturated Inception Score) and a large bias,
+    which ADM's score leaves out: scripts/benchmark_fid50k.py's stand-in."""
+    from scripts.benchmark_fid50k import write_random_inception
 
-    Calibrating the running statistics keeps features O(1): with the defaults they grow to ~1e10.
-    """
-    import torchvision
-
-    torch.manual_seed(0)
-    net = torchvision.models.inception_v3(weights=None, aux_logits=False, num_classes=1008, init_weights=False)
-    for module in net.modules():
-        if isinstance(module, torch.nn.BatchNorm2d):
-            module.momentum = None  # a plain average over the calibration batch
-    with torch.no_grad():
-        net.train()(torch.rand(4, 3, 96, 96) * 2 - 1)  # small: only the statistics' scale matters
-        # pool_3 comes out ~1e5 here: a small softmax weight keeps the Inception Score's softmax unsaturated, and a
-        # large bias, which ADM's score leaves out, would change it.
-        net.fc.weight *= 1e-3
-        net.fc.bias.normal_(0, 5)
-    path = tmp_path_factory.mktemp("fid") / "inception.pth"
-    torch.save(net.state_dict(), path)
-    return path
+    return write_random_inception(tmp_path_factory.mktemp("fid") / "inception.pth")
 
 
 def image_sets():

@@ -3,11 +3,11 @@
 Every `validation.freq` steps and at the end, `validation.fid_num_samples` class-balanced samples of the EMA weights
 go through pytorch-fid's FID Inception (torchtitan/tools/fid.py, weights from a local file) and their statistics are
 compared with `validation.fid_reference` (ADM's .npz: mu, sigma). The samples are the ones `sample.py --npz` writes
-from the same weights with `--num-samples N --batch-size B --seed S --steps K --cfg-scale C`: batch b's noise is
-seeded by (seed, b) and labels cycle through the classes. So `scripts/evaluate_fid.py` on that .npz gives the logged
-number (tests/test_validation.py checks it), and the number does not depend on the number of ranks: rank r samples
-batches r, r + R, ..., and the ranks' feature sums (count, sum x, sum x x^T) are all-reduced into the run's mean and
-covariance (32 MiB at 2048 features, where gathering 50,000 feature rows would take 800 MiB).
+from the same weights with `--num-samples N --seed S --steps K --cfg-scale C`: sample i's noise is seeded by
+(seed, i) (`sample_noise`) and labels cycle through the classes. So `scripts/evaluate_fid.py` on that .npz gives the
+logged number (tests/test_validation.py checks it), and the number does not depend on the number of ranks: rank r
+samples batches r, r + R, ..., and the ranks' feature sums (count, sum x, sum x x^T) are all-reduced into the run's
+mean and covariance (32 MiB at 2048 features, where gathering 50,000 feature rows would take 800 MiB).
 
 Inception Score: ADM's evaluator takes softmax(pool3 @ W), W the TF graph's `softmax/logits/MatMul` weight (no
 bias), over splits of 5000 samples. pytorch-fid's network drops that layer, but its weights file keeps it as
