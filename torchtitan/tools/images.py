@@ -11,10 +11,12 @@ from PIL import Image
 def to_uint8_nhwc(images: torch.Tensor) -> np.ndarray:
     """(N, C, H, W) in [-1, 1] -> (N, H, W, 3) uint8, grey repeated to RGB: ADM's `arr_0`, as `sample.py --npz`
     writes it and the FID's Inception network reads it."""
-    images = ((images.float().cpu().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+    # On the images' device: a GPU's batch crosses to the host as uint8, a quarter of its float32 bytes, and the host
+    # does no arithmetic (each op rounds as IEEE says on any device: the same bytes).
+    images = ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
     if images.shape[1] == 1:
         images = images.repeat(1, 3, 1, 1)
-    return images.permute(0, 2, 3, 1).contiguous().numpy()
+    return images.permute(0, 2, 3, 1).contiguous().cpu().numpy()
 
 
 def save_image_grid(images: torch.Tensor, path: Path, nrow: int = 0) -> Path:
