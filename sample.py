@@ -88,9 +88,9 @@ from torchtitan.tools.images import save_image_grid, to_uint8_nhwc
 from torchtitan.tools.logging import init_logger, logger
 from torchtitan.tools.sample_shards import ShardedSamples
 
-# Flags that change how fast samples come or where they go, not what they are: a run resumed from its shards may
-# change them. Every other flag is recorded in each shard (`sampling_settings`).
-SPEED_FLAGS = ("batch_size", "compile", "decode_batch_size", "npz", "out", "checkpoint")
+# Flags each --npz shard does not record (`sampling_settings`): how fast samples come, which a resumed run may change,
+# where they go, and --checkpoint, recorded as the weights it resolves to.
+UNRECORDED_FLAGS = ("batch_size", "compile", "decode_batch_size", "npz", "out", "checkpoint")
 
 # Flags that stand for the [sampling] key of the same name (over the run's config).
 SAMPLING_FLAGS = ("guidance_low", "guidance_high", "timestep_shift", "sde_diffusion_form", "sde_diffusion_norm",
@@ -166,9 +166,9 @@ def write_grid(sampler: Sampler, args, classes: list[int]) -> Path:
 
 
 def sampling_settings(args: argparse.Namespace, weights: Path, precision: str) -> dict:
-    """What the samples are a function of, as each shard records it: every flag but SPEED_FLAGS, the weights (path,
+    """What the samples are a function of, as each shard records it: every flag but UNRECORDED_FLAGS, the weights (path,
     and size and modification time of a file: a re-exported ema.safetensors is other weights) and the precision."""
-    settings = {f"--{k.replace('_', '-')}": v for k, v in sorted(vars(args).items()) if k not in SPEED_FLAGS}
+    settings = {f"--{k.replace('_', '-')}": v for k, v in sorted(vars(args).items()) if k not in UNRECORDED_FLAGS}
     settings["weights"] = str(weights.resolve())
     if weights.is_file():
         stat = weights.stat()
