@@ -1,4 +1,5 @@
-"""scripts/benchmark_fid50k.py, CPU: its fixtures load where sample.py and evaluate_fid.py read them, and a call cut
+"""scripts/benchmarks/benchmark_fid50k.py, CPU: its fixtures load where sample.py and evaluate_fid.py read them, and a
+call cut
 short by its budget resumes. The two phases are stand-ins that check their command lines (the real ones run on GPUs:
 sample.py's shards and evaluate_fid.py are tested in tests/test_sample.py and tests/test_fid.py); the VAE is
 tests/test_benchmark_sampling.py's stand-in (diffusers' import alone takes seconds)."""
@@ -10,7 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-import scripts.benchmark_fid50k as bench
+import scripts.benchmarks.benchmark_fid50k as bench
 from tests.test_benchmark_sampling import StandInVAE
 from torchtitan.models.dit.weights import load_model, resolve_checkpoint
 from torchtitan.tools.fid import read_eval_batch

@@ -34,8 +34,8 @@ from torchtitan.tools.fid import (
 def inception_weights(tmp_path_factory):
     """A random InceptionV3 state dict with the FID network's keys, its batch norms calibrated on noise (features
     O(1e5), where the defaults give ~1e10), a small softmax weight (an unsaturated Inception Score) and a large bias,
-    which ADM's score leaves out: scripts/benchmark_fid50k.py's stand-in."""
-    from scripts.benchmark_fid50k import write_random_inception
+    which ADM's score leaves out: scripts/benchmarks/benchmark_fid50k.py's stand-in."""
+    from scripts.benchmarks.benchmark_fid50k import write_random_inception
 
     return write_random_inception(tmp_path_factory.mktemp("fid") / "inception.pth")
 

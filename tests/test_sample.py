@@ -187,9 +187,9 @@ def test_bad_arguments_name_the_flag(digits_run, tmp_path, capsys, flags, messag
 
 
 def test_flow_sampler_flags_reach_the_sampler(digits_run):
-    """The flags of rectified flow's samplers, over the run's [sampling]: a batch is sample_images' with them (the
-    batch's own generator drawing the SDE's step noise), and not the one without them."""
-    from torchtitan.diffusion import SDESettings, batch_noise, sample_images
+    """The flags of rectified flow's samplers, over the run's [sampling]: a batch is sample_images' with them (each
+    sample's own generator drawing the SDE's step noise), and not the one without them."""
+    from torchtitan.diffusion import SDESettings, sample_images, sample_noise
 
     cpu, labels = torch.device("cpu"), torch.tensor([3, 7])
     cfg, weights = sample.resolve_checkpoint(digits_run)
@@ -202,11 +202,11 @@ def test_flow_sampler_flags_reach_the_sampler(digits_run):
     assert sampler.options == options
 
     def expected(**options):
-        noise, generator = batch_noise(2, 1, 2, 1, 16)
+        noise, generator = sample_noise(2, [2, 3], 1, 16)
         return sample_images(sampler.diffusion, model, noise, labels, 4, "sde", 3.0, 10, clip_denoised=True,
                              generator=generator, **options).clamp(-1, 1)  # fmt: skip
 
-    images = sampler.batch(1, labels, 2)
+    images = sampler.batch([2, 3], labels)
     assert torch.equal(images, expected(**options)) and (images - expected()).abs().max() > 1e-3
     shifted = sample.Sampler(cfg, model, model_args, cpu, sample.parse([*flags[:2], "--timestep-shift", "0.3"]))
     assert shifted.options["timestep_shift"] == 0.3 and shifted.options["guidance_interval"] == (0.0, 1.0)

@@ -149,8 +149,9 @@ def sample_images(
     """Runs the objective's sampler ('ddim' or 'ddpm' for DDPM; 'euler', 'heun' or 'sde' for flow) with optional CFG
     on the first `guidance_channels` channels of the model's output (-1: all; 3: facebookresearch/DiT's
     `forward_with_cfg`). `generator` draws the step noise of the stochastic samplers, 'ddpm' and 'sde' (None: the
-    global RNG, as the references; `IndexedNoise`: each sample's own, as `sample_noise` returns it). The flow's samplers also take a guidance interval, outside of which the steps
-    run the conditional model alone, a timestep shift (the ODE's) and the SDE's settings (`RectifiedFlow.sample`)."""
+    global RNG, as the references; `IndexedNoise`: each sample's own, as `sample_noise` returns it). The flow's
+    samplers also take a guidance interval, outside of which the steps run the conditional model alone, a timestep
+    shift (the ODE's) and the SDE's settings (`RectifiedFlow.sample`)."""
     check_sampler(diffusion, sampler, steps, guidance_interval, timestep_shift)
     unguided = None
     if cfg_scale != 1.0 and y is not None:

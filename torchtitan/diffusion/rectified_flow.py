@@ -149,7 +149,7 @@ class RectifiedFlow:
     def sample(self, model: ModelFn, noise: torch.Tensor, y, steps: int = 50, method: str = "euler", *,
                unguided: ModelFn | None = None, guidance_interval: tuple[float, float] = (0.0, 1.0),
                timestep_shift: float = 1.0, sde: SDESettings | None = None,
-               generator: torch.Generator | None = None) -> torch.Tensor:  # fmt: skip
+               generator: torch.Generator | IndexedNoise | None = None) -> torch.Tensor:  # fmt: skip
         """Integrates from t = 1 (noise) to t = 0: the ODE dx/dt = v with Euler or Heun steps, or the SDE (`_sde`).
 
         Args:

@@ -18,7 +18,7 @@ its whole shards, and the same command again resumes it (exit status 3 says so).
 phases and the sum of the sampling and evaluation seconds over all calls, against the 15-minute target. Example,
 on 4 GPUs within 10-minute calls:
 
-    python scripts/benchmark_fid50k.py --work build/fid50k --nproc 4   # again while it exits with 3
+    python scripts/benchmarks/benchmark_fid50k.py --work build/fid50k --nproc 4   # again while it exits with 3
 """
 
 import argparse
@@ -31,10 +31,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from scripts.benchmark_sampling import SD_VAE_CONFIG, SD_VAE_SCALE, ZERO_INIT_STD, build_vae, execute  # noqa: E402
+from scripts.benchmarks.benchmark_sampling import SD_VAE_CONFIG, SD_VAE_SCALE, ZERO_INIT_STD, build_vae, execute  # noqa: E402
 from torchtitan.tools.fid import SPATIAL_DIMS  # noqa: E402
 from torchtitan.tools.runs import TORCHRUN_VARS, launcher  # noqa: E402
 
