@@ -359,7 +359,7 @@ def test_stored_features_give_the_on_the_fly_losses_and_gradients(aligned_latent
     from torchtitan.diffusion.objective import DiffusionObjective
     from torchtitan.job_config import Diffusion
     from torchtitan.models.dit import DiT, dit_configs
-    from torchtitan.train_spec import BatchLayout
+    from torchtitan.protocols import BatchLayout
 
     cpu = torch.device("cpu")
     args = replace(dit_configs["debug"], in_channels=4, input_size=4, num_classes=2, align_depth=2, align_dims=(64,),
@@ -405,7 +405,8 @@ def test_stored_features_are_read_and_the_encoder_never_built(aligned_latents, m
     from torchtitan.config_manager import parse_args
     from torchtitan.datasets.prefetch import LatentsAndFeatures, LatentsAndImages, batch_to_device
     from torchtitan.models.dit import DiT, flops_per_image
-    from torchtitan.train_spec import BatchLayout, build_model_args, get_train_spec
+    from torchtitan.protocols import BatchLayout
+    from torchtitan.train_spec import build_model_args, get_train_spec
 
     spec, layout = get_train_spec("dit"), BatchLayout(0, 1, 1, 1, 0, torch.device("cpu"))
 

@@ -159,7 +159,8 @@ def test_sample_py_samples_as_repas_euler_sampler(tiny_flavor):
     model, args = load_model(cfg, weights, torch.device("cpu"))
     assert model.projectors is None
     for sampler in ("euler", "heun"):
-        flags = argparse.Namespace(steps=4, sampler=sampler, cfg_scale=1.0, guidance_channels=-1, seed=0)
+        flags = sample.parse(["--checkpoint", str(CHECKPOINT), "--steps", "4", "--sampler", sampler, "--cfg-scale", "1",
+                              "--guidance-channels", "-1"])  # fmt: skip
         diffusion = sample.Sampler(cfg, model, args, torch.device("cpu"), flags).diffusion
         with torch.no_grad():
             x = sample_images(diffusion, model, io["sample_noise"], io["y"], 4, sampler)

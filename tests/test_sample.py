@@ -41,8 +41,9 @@ def test_grid_from_export_and_from_dcp_agree(digits_run, tmp_path):
 
 def test_npz_over_four_ranks_matches_one_process(digits_run, tmp_path, capfd):
     """Shards of 2 (shard k from rank k, the last one short), batches of 3 in one process and of 4 (padded) on 4
-    ranks: the same file, as FID-50K on 1 and 4 GPUs. Also: the rate once warm is logged (batches 2 and 3: 4 images), --compile gives the same images to one
-    uint8 level (compiled kernels round differently), and bf16 autocast reaches the model (other images)."""
+    ranks: the same file, as FID-50K on 1 and 4 GPUs. Also: the rate once warm is logged (batches 2 and 3: 4
+    images), --compile gives the same images to one uint8 level (compiled kernels round differently), and bf16
+    autocast reaches the model (other images)."""
     args = ["--checkpoint", str(digits_run), "--num-samples", "7", "--steps", "2", "--shard-size", "2"]
     assert sample.main([*args, "--batch-size", "3", "--npz", str(tmp_path / "one.npz")]) == 0
     assert sample.main([*args, "--batch-size", "3", "--compile", "--npz", str(tmp_path / "compiled.npz")]) == 0

@@ -31,14 +31,11 @@ labels "y"): repa_samplers.safetensors, sit_samplers.safetensors, lightningdit_s
 import argparse
 import functools
 import importlib.util
-import os
 import sys
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
-os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # LightningDiT's @torch.compile functions, imported, stay eager
-
-import torch  # noqa: E402
+import torch
 
 CHANNELS, SIZE, NUM_CLASSES, NULL_CLASS, SEED = 4, 2, 10, 1000, 0  # REPA's and its scripts' null label: 1000
 LABELS = [3, 7]
@@ -177,6 +174,13 @@ def sit_samples(checkout: Path, weights: dict) -> dict[str, torch.Tensor]:
 
 
 def lightningdit_samples(checkout: Path, weights: dict) -> dict[str, torch.Tensor]:
+    # Its @torch.compile functions run eagerly here, and only here: the tests import this module, and a process-wide
+    # TORCHDYNAMO_DISABLE set at import would turn compile off for every test after it in that process.
+    with torch._dynamo.config.patch(disable=True):
+        return _lightningdit_samples(checkout, weights)
+
+
+def _lightningdit_samples(checkout: Path, weights: dict) -> dict[str, torch.Tensor]:
     transport = load_module("reference_lightningdit_transport", checkout / "transport" / "__init__.py")
     sys.path.insert(0, str(checkout))  # models/lightningdit.py imports its siblings as models.*
     from models.lightningdit import LightningDiT  # the reference's own code
