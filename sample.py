@@ -62,11 +62,12 @@ FID-50K on 4 GPUs, then ADM's five numbers (docs/latent.md):
 
 import argparse
 import datetime
+import json
 import math
 import os
 import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -165,10 +166,20 @@ def write_grid(sampler: Sampler, args, classes: list[int]) -> Path:
     return save_image_grid(torch.cat(images), Path(args.out), nrow)
 
 
-def sampling_settings(args: argparse.Namespace, weights: Path, precision: str) -> dict:
-    """What the samples are a function of, as each shard records it: every flag but UNRECORDED_FLAGS, the weights (path,
-    and size and modification time of a file: a re-exported ema.safetensors is other weights) and the precision."""
-    settings = {f"--{k.replace('_', '-')}": v for k, v in sorted(vars(args).items()) if k not in UNRECORDED_FLAGS}
+def sampling_settings(args: argparse.Namespace, weights: Path, sampler: Sampler) -> dict:
+    """What the samples are a function of, as each shard records it: every flag but UNRECORDED_FLAGS, with the values
+    the sampler resolved for those left to the run's [sampling] (a flag left out and the same value given are one
+    setting), the weights (path, and size and modification time of a file: a re-exported ema.safetensors is other
+    weights) and the precision."""
+    settings = {f"--{k.replace('_', '-')}": v for k, v in sorted(vars(args).items())
+                if k not in UNRECORDED_FLAGS and k not in SAMPLING_FLAGS}  # fmt: skip
+    settings |= {"--steps": sampler.steps, "--sampler": sampler.sampler, "--cfg-scale": sampler.cfg_scale,
+                 "--guidance-channels": sampler.guidance_channels}  # fmt: skip
+    options = dict(sampler.options)
+    if options.get("sde") is not None:
+        options["sde"] = asdict(options["sde"])
+    settings["sampler_options"] = json.loads(json.dumps(options))
+    precision = sampler.precision
     settings["weights"] = str(weights.resolve())
     if weights.is_file():
         stat = weights.stat()
@@ -208,7 +219,7 @@ def write_npz(sampler: Sampler, args, classes: list[int], rank: int, world: int,
     """Samples the shards of `--npz` this rank owns (shard k: rank k % world) that are not written yet, then rank 0
     assembles the file (torchtitan/tools/sample_shards.py)."""
     shards = ShardedSamples(Path(args.npz), args.num_samples, args.shard_size,
-                            sampling_settings(args, weights, sampler.precision))  # fmt: skip
+                            sampling_settings(args, weights, sampler))  # fmt: skip
     if shards.assembled():
         shards.remove_leftovers()
         logger.info(f"{shards.out} already holds these samples")

@@ -93,12 +93,12 @@ def test_npz_resumes_from_its_shards_and_refuses_other_settings(digits_run, tmp_
 
     assert sample.main([*args, str(out), "--cfg-scale", "3"]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if "INFO" not in line]
-    assert err == [f"error: {shards / 'shard-00001.npz'} was sampled with --cfg-scale null, this run asks "
+    assert err == [f"error: {shards / 'shard-00001.npz'} was sampled with --cfg-scale 2.0, this run asks "
                    f"--cfg-scale 3.0: run the command that made it, or remove {shards} to start over"]  # fmt: skip
     assert sampled == [2, 3, 4, 5] and len(list(shards.iterdir())) == 3
 
-    sampled.clear()
-    assert sample.main([*args, str(out), "--batch-size", "2"]) == 0
+    sampled.clear()  # the run's own --cfg-scale given: the setting its shards recorded, resolved
+    assert sample.main([*args, str(out), "--batch-size", "2", "--cfg-scale", "2"]) == 0
     assert "resuming: 2 of 4 shards" in capsys.readouterr().err
     assert sampled == [0, 1, 6, 6]  # shards 0 and 3, the last batch padded
     whole, resumed = np.load(tmp_path / "whole.npz"), np.load(out)
