@@ -244,22 +244,19 @@ def setting(args: argparse.Namespace) -> dict:
     return row
 
 
+def side_row(args: argparse.Namespace, side: str, status: str, gpu: str | None, wall: float) -> dict:
+    """The row of one side ("reference" or "ours"): its name, status, the shared setting, its extra flags, GPU, wall."""
+    return {"name": getattr(args, f"{side}_name"), "side": side, "status": status, **setting(args),
+            "extra": getattr(args, f"{side}_extra"), "gpu": gpu, "wall_s": wall}  # fmt: skip
+
+
 def measure_reference(args: argparse.Namespace, work: Path, checkpoint: Path, gpu: str | None = None) -> dict:
     """The reference script's steady-state images/s from its PNGs' modification times."""
     sample_dir = work / "reference_samples"
     shutil.rmtree(sample_dir, ignore_errors=True)  # a kept work folder's earlier PNGs would count
     cmd = reference_command(args, checkpoint, sample_dir)
     status, _, wall = execute(cmd, hub_env(work / "hf"), work / "reference.log", args.timeout, gpu)
-    row = {
-        "name": args.reference_name,
-        "side": "reference",
-        "status": status,
-        **setting(args),
-        "extra": args.reference_extra,
-        "gpu": gpu,
-        "timing": "png_mtime",
-        "wall_s": wall,
-    }
+    row = side_row(args, "reference", status, gpu, wall) | {"timing": "png_mtime"}
     if status == "ok":
         try:
             row.update(png_rate(sample_dir, args.batch))
@@ -272,15 +269,7 @@ def measure_ours(args: argparse.Namespace, work: Path, checkpoint: Path, vae_dir
     """sample.py's images/s after its first batch, from the line it prints (else its wall time, with a warning)."""
     cmd = ours_command(args, checkpoint, vae_dir, work / "ours.npz")
     status, output, wall = execute(cmd, hub_env(work / "hf"), work / "ours.log", args.timeout, gpu)
-    row = {
-        "name": args.ours_name,
-        "side": "ours",
-        "status": status,
-        **setting(args),
-        "extra": args.ours_extra,
-        "gpu": gpu,
-        "wall_s": wall,
-    }
+    row = side_row(args, "ours", status, gpu, wall)
     if status != "ok":
         return row
     rate, timing = parse_sampling_line(output), "sampling_line"
