@@ -239,3 +239,11 @@ def assert_close_by_name(got: dict, expected: dict, rtol: float, atol: float) ->
     for name, value in expected.items():
         torch.testing.assert_close(got[name].detach(), value.detach(), rtol=rtol, atol=atol,
                                    msg=lambda m, name=name: f"{name}: {m}")  # fmt: skip
+
+
+@pytest.fixture
+def keep_tf32_flags():
+    """A reference benchmark's main() sets TF32 as its reference runs; later tests in the process keep their own."""
+    flags = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags

@@ -24,6 +24,8 @@ from tests.test_benchmark_opacus_reference import STAND_IN
 from torchtitan.models.dit.model import DiTArgs, flops_per_image
 from torchtitan.tools.runs import RESULT_PREFIX, ROOT, launcher, run_to_end
 
+pytestmark = pytest.mark.usefixtures("keep_tf32_flags")  # main() sets TF32, as the reference runs
+
 DIFFUSION_INIT = """
 from .gaussian import StandInDiffusion
 
@@ -74,14 +76,6 @@ def write_reference(folder: Path, diffusion: bool = True) -> Path:
         (folder / "diffusion" / "__init__.py").write_text(DIFFUSION_INIT)
         (folder / "diffusion" / "gaussian.py").write_text(DIFFUSION_GAUSSIAN)
     return folder
-
-
-@pytest.fixture(autouse=True)
-def _keep_tf32_flags():
-    """main() turns TF32 on, as the reference does; later tests in this process keep their own setting."""
-    flags = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
 
 
 @pytest.fixture

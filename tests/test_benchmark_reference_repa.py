@@ -29,6 +29,8 @@ from scripts.benchmarks.benchmark_reference import distributed
 from torchtitan.models.dit.model import DiTArgs, flops_per_image
 from torchtitan.tools.runs import RESULT_PREFIX
 
+pytestmark = pytest.mark.usefixtures("keep_tf32_flags")  # main() sets TF32, as the reference runs
+
 SIT_STAND_IN = """
 import math
 
@@ -173,14 +175,6 @@ def write_checkout(folder: Path, sit: bool = True, loss: bool = True) -> Path:
     if loss:
         (folder / "loss.py").write_text(LOSS_STAND_IN)
     return folder
-
-
-@pytest.fixture(autouse=True)
-def _keep_tf32_flags():
-    """main() sets TF32 as REPA's README runs it; later tests in this process keep their own setting."""
-    flags = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
 
 
 @pytest.fixture
