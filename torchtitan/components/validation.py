@@ -38,8 +38,9 @@ from torchtitan.tools.logging import logger
 
 def rank_batches(num_samples: int, batch_size: int, rank: int, world: int) -> list[tuple[int, int, int] | None]:
     """This rank's batches as (index, first sample, size): every world-th batch of the run from batch `rank` (each
-    sample's noise is its index's, `sample_noise`, so the dealing changes no image). None pads the list to the same length on every rank: a DDP or FSDP forward is a collective,
-    so every rank runs as many sampler passes (a padding pass is thrown away)."""
+    sample's noise is its index's, `sample_noise`, so the dealing changes no image). None pads the list to the same
+    length on every rank: a DDP or FSDP forward is a collective, so every rank runs as many sampler passes (a padding
+    pass is thrown away)."""
     starts = list(range(0, num_samples, batch_size))
     rounds = math.ceil(len(starts) / world)
     batches = []
