@@ -74,6 +74,10 @@ VARIANTS = {
 # 1 MiB split the debug model's 4.9 MiB of gradients, so DDPOptimizer splits its graph (at 100 MiB it would not).
 WHOLE_MODEL = {"compiled_model": ["--compile.enable", "true", "--compile.scope", "model",
                                   "--parallelism.ddp_bucket_cap_mb", "1"]}  # fmt: skip
+# Sharded layouts: blocks grouped into FSDP units of 3 (the tiny model's 4 blocks: units of 3 and 1), each unit
+# all-gathering the next one as it starts.
+UNITS = {"compiled_units_prefetch": ["--compile.enable", "true", "--parallelism.fsdp_blocks_per_unit", "3",
+                                     "--parallelism.fsdp_prefetch", "1"]}  # fmt: skip
 LAYOUTS = {  # name: (processes, arguments)
     "ddp": (2, ["--parallelism.data_parallel_replicate_degree", "2", "--training.local_batch_size", "4"]),
     "fsdp": (2, ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "4"]),
@@ -138,7 +142,7 @@ def one_process_gradients(one_process_runs):
 
 def gradient_cases(layout: str) -> dict[str, list[str]]:
     layout_args = LAYOUTS[layout][1]
-    variants = {**VARIANTS, **WHOLE_MODEL} if layout == "ddp" else VARIANTS
+    variants = {**VARIANTS, **(WHOLE_MODEL if layout == "ddp" else UNITS)}
     return {f"{layout}_{v}": [*GRAD_ARGS, *layout_args, *args] for v, args in variants.items()}
 
 
@@ -215,12 +219,22 @@ DP_ARGS = [*GRAD_ARGS, "--dp.enable", "true", "--dp.noise_multiplier", "0.5", "-
 AUGMULT = ["--dp.augmult", "2"]
 COMPILED = ["--compile.enable", "true"]
 SELECTIVE = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option"]
+WHOLE = [*COMPILED, "--compile.scope", "model"]
 DP_VARIANTS = {  # name: (arguments, micro-batches per step)
     "fbk_compiled_full_ac": (["--dp.mode", "flash_bookkeeping", *COMPILED, "--activation_checkpoint.mode", "full"], 1),
+    # DDP's whole compiled model: one graph (no reducer to split it for), the engine's buckets all-reduced over it
+    "fbk_compiled_model_full_ac": (
+        [*WHOLE, "--dp.mode", "flash_bookkeeping", "--activation_checkpoint.mode", "full"],
+        1,
+    ),
     "ghost_compiled_every_2nd_ac_accum": (["--dp.mode", "ghost", *COMPILED, *SELECTIVE, "2"], 2),
     "bk_compiled_op_ac_augmult": (["--dp.mode", "bookkeeping", *COMPILED, *SELECTIVE, "op", *AUGMULT], 1),
 }
-DP_LAYOUTS = {"ddp": ["fbk_compiled_full_ac"], "fsdp": list(DP_VARIANTS), "hsdp": ["bk_compiled_op_ac_augmult"]}
+DP_LAYOUTS = {
+    "ddp": ["fbk_compiled_model_full_ac"],
+    "fsdp": ["fbk_compiled_full_ac", "ghost_compiled_every_2nd_ac_accum", "bk_compiled_op_ac_augmult"],
+    "hsdp": ["bk_compiled_op_ac_augmult"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -307,7 +321,7 @@ def test_parallel_dims_resolve():
     assert ParallelDims(4, 1, 4).mode == "ddp" and ParallelDims(1, -1, 4).mode == "fsdp"
 
 
-def test_compile_scope_auto_is_the_whole_model_on_cuda_unless_sharded_or_private_over_ranks(monkeypatch):
+def test_compile_scope_auto_is_the_whole_model_on_cuda_unless_sharded(monkeypatch):
     from types import SimpleNamespace
 
     from torchtitan.parallelisms.utils import compile_scope
@@ -321,7 +335,6 @@ def test_compile_scope_auto_is_the_whole_model_on_cuda_unless_sharded_or_private
     )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert [compile_scope(auto, dims) for dims in (one, ddp, fsdp, fsdp_one)] == ["model", "model", "block", "block"]
-    assert [compile_scope(auto, dims, private=True) for dims in (one, ddp)] == ["model", "block"]  # DP-SGD
     assert compile_scope(block, one) == "block"  # an explicit scope is kept
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert compile_scope(auto, one) == "block"  # on the CPU one block's graph compiles once for all
@@ -355,3 +368,15 @@ def test_sharded_7b_init_without_materializing():
         assert local == pytest.approx(total / world, rel=0.01)
     finally:
         dist.destroy_process_group()
+
+
+def test_fsdp_units_group_blocks_within_a_gigabyte_and_at_most_half():
+    from torchtitan.parallelisms.utils import blocks_per_unit, fsdp_units
+
+    mib = 1 << 20
+    # DiT-XL/2's 28 blocks of 45.6 MiB (bf16): half of them a unit; the 7B flavor's 578 MiB blocks: one a unit.
+    assert blocks_per_unit(0, int(45.6 * mib), 28) == 14
+    assert blocks_per_unit(0, 578 * mib, 24) == 1
+    assert blocks_per_unit(0, 100 * mib, 40) == 10  # 1 GiB of gathered parameters
+    assert blocks_per_unit(0, 1, 1) == 1 and blocks_per_unit(5, 1, 3) == 3  # a set value, at most every block
+    assert fsdp_units(4, 3) == [range(0, 3), range(3, 4)]

@@ -104,6 +104,8 @@ _BOUNDS = {
     "parallelism.data_parallel_replicate_degree": "-1 or >= 1",
     "parallelism.data_parallel_shard_degree": "-1 or >= 1",
     "parallelism.ddp_bucket_cap_mb": "> 0",
+    "parallelism.fsdp_blocks_per_unit": ">= 0",
+    "parallelism.fsdp_prefetch": ">= 0",
     "checkpoint.interval": "> 0",
     "checkpoint.keep_latest_k": ">= 0",
     "checkpoint.load_step": ">= -1",
@@ -485,9 +487,6 @@ def validate_layout(cfg, world_size: int, device_type: str) -> None:
     if cfg.compile.enable and cfg.compile.scope == "model" and sharded:
         errors.append(f"{at(cfg, 'compile.scope')}: one device or DDP only (this run is sharded, and FSDP's hooks "
                       "must stay outside compiled code); use compile.scope = 'block'")  # fmt: skip
-    elif cfg.compile.enable and cfg.compile.scope == "model" and world_size > 1 and cfg.dp.enable:
-        errors.append(f"{at(cfg, 'compile.scope')}: 'model' under DP-SGD runs on one device only (DP-SGD over DDP "
-                      "compiles each block); use compile.scope = 'block'")  # fmt: skip
     if cfg.training.local_batch_size == "auto" and device_type != "cuda":
         errors.append(f"{at(cfg, 'training.local_batch_size')}: needs a CUDA device to measure memory on; give a "
                       f"number on {device_type}")  # fmt: skip

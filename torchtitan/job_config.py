@@ -260,6 +260,14 @@ class Parallelism:
     """FSDP degree; -1 takes the rest of the world."""
     fsdp_reshard_after_forward: str = "default"
     """'default', 'always' or 'never'."""
+    fsdp_blocks_per_unit: int = 0
+    """Consecutive blocks FSDP shards as one unit: one all-gather gathers the unit's parameters and one
+    reduce-scatter reduces its gradients, so k blocks a unit mean k times fewer collectives and FSDP hooks, each
+    k times larger, for up to k blocks' more gathered parameters at a time. 0: as many as gather in 1 GiB, at most
+    half the blocks (DiT-XL/2: 14; the 7B flavor: 1)."""
+    fsdp_prefetch: int = 1
+    """Units whose all-gather each FSDP unit issues as it starts, in forward and in backward (explicit prefetch);
+    0 leaves it to FSDP2, which all-gathers each unit when the host reaches it."""
     fsdp_single_device: bool = False
     """On one GPU, apply FSDP2 anyway (a 1-rank mesh) so compute runs on bf16 parameters with fp32
     master weights (MixedPrecisionPolicy) instead of autocast."""

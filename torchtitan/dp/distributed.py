@@ -6,10 +6,13 @@
   reduce-scatter (plus an all-reduce over the replicate dim of HSDP), as FSDP packs a block's
   gradients, and a bucket's collective runs while the next bucket's gradients are computed.
 - DDP (composable `replicate` or the DistributedDataParallel class): a normal backward
-  all-reduces and divides by the group size; gradients the engine builds are all-reduced here.
-- A plain model on several ranks: the engine all-reduces every gradient itself.
+  all-reduces and divides by the group size; gradients the engine builds go through
+  `ReplicatedGradReducer`: packed into buckets, each all-reduced while the next is computed, the
+  gradients left as views of their bucket (as DDP's `gradient_as_bucket_view`).
+- A plain model on several ranks: the engine all-reduces every gradient itself, the same way.
 """
 
+import itertools
 import math
 
 import torch
@@ -32,17 +35,6 @@ def all_reduce_sum(tensor: torch.Tensor, groups: list) -> torch.Tensor:
     for group in groups:
         dist.all_reduce(tensor, group=group)
     return tensor
-
-
-def all_reduce_grads(grads: list[torch.Tensor], groups: list) -> None:
-    """Sums a list of tensors over the data-parallel world, one flat buffer per dtype."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
-    for same in by_dtype.values():
-        flat = all_reduce_sum(torch.cat([g.reshape(-1) for g in same]), groups)
-        for g, part in zip(same, flat.split([g.numel() for g in same])):
-            g.copy_(part.view_as(g))
 
 
 def is_ddp(model: nn.Module) -> bool:
@@ -99,6 +91,96 @@ def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
         param.grad += grad
 
 
+class _BucketedReducer:
+    """Gradients queued into buckets of about `bucket_bytes`, each bucket's collective sent when it fills (or when
+    the next gradient needs another kind of bucket) and completed before the one after is sent. Subclasses send
+    (`_send`, from `self._pending`) and complete (`_complete`) a bucket."""
+
+    def __init__(self, bucket_bytes: int | None = None):
+        self.bucket_bytes = BUCKET_BYTES if bucket_bytes is None else bucket_bytes
+        self._pending: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self._pending_bytes = 0
+        self._key = None  # what the pending bucket's gradients share
+        self._in_flight = None  # the bucket being reduced
+
+    def _queue(self, param: torch.Tensor, grad: torch.Tensor | None, key, nbytes: int) -> None:
+        if self._pending and key != self._key:
+            self._send()
+        self._key = key
+        self._pending.append((param, grad))
+        self._pending_bytes += nbytes
+        if self._pending_bytes >= self.bucket_bytes:
+            self._send()
+
+    def _take(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """The pending bucket's (param, grad) pairs, the queue emptied."""
+        pending, self._pending, self._pending_bytes = self._pending, [], 0
+        return pending
+
+    def finish(self) -> None:
+        """Sends what is pending and writes every reduced gradient into its parameter's grad."""
+        if self._pending:
+            self._send()
+        self._complete()
+
+
+class ReplicatedGradReducer(_BucketedReducer):
+    """Sums the gradients of replicated (plain) parameters over the data-parallel ranks into their .grad, in buckets.
+
+    The gradients a bucket holds are copied into one flat buffer of the parameters' dtype; once it passes
+    `bucket_bytes` its all-reduce is sent asynchronously and runs while the caller computes the next bucket's
+    gradients (it is waited on before the one after is sent: at most two buckets exist beyond the gradients). Each
+    parameter's .grad is then a view of its reduced bucket, or has it added when an earlier micro-batch left one.
+    With no group (one process) the gradients are taken as they are. Every rank must add the same parameters in the
+    same order (the collectives must match).
+    """
+
+    def __init__(self, groups: list, bucket_bytes: int | None = None):
+        super().__init__(bucket_bytes)
+        self.groups = groups
+
+    def add(self, param: torch.Tensor, grad: torch.Tensor | None) -> None:
+        """Queues sum-over-ranks of `grad` (param's shape, any float dtype; None: zeros) into param.grad."""
+        if not self.groups:
+            accumulate_grad(param, torch.zeros_like(param) if grad is None else grad.to(param.dtype))
+            return
+        self._queue(param, grad, (param.dtype, param.device), param.numel() * param.element_size())
+
+    def _send(self) -> None:
+        pending = self._take()
+        params = [p for p, _ in pending]
+        buffer = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+        for (param, grad), part in zip(pending, _parts(buffer, params)):
+            if grad is None:
+                part.zero_()
+            else:
+                part.view_as(param).copy_(grad)  # casts to the parameter's dtype
+        self._complete()  # at most one bucket in flight
+        work = None
+        if len(self.groups) == 1:
+            work = dist.all_reduce(buffer, group=self.groups[0], async_op=True)
+        else:  # collectives over several groups go one after the other
+            all_reduce_sum(buffer, self.groups)
+        self._in_flight = (work, buffer, params)
+
+    def _complete(self) -> None:
+        if self._in_flight is None:
+            return
+        work, buffer, params = self._in_flight
+        self._in_flight = None
+        if work is not None:
+            work.wait()
+        for param, part in zip(params, _parts(buffer, params)):
+            accumulate_grad(param, part.view_as(param))
+
+
+def _parts(buffer: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Consecutive slices of a flat buffer, one per parameter. Each is a view of its own (not `split`'s outputs,
+    which autograd refuses to let a later accumulation or noise add modify in place)."""
+    offsets = itertools.accumulate((p.numel() for p in params), initial=0)
+    return [buffer.narrow(0, start, p.numel()) for start, p in zip(offsets, params)]
+
+
 def _dim0_sharded(param: DTensor) -> int | None:
     """The mesh dim that shards dim 0, if the placements are FSDP2's (Shard(0) once, Replicate elsewhere)."""
     placements = param.placements
@@ -108,7 +190,7 @@ def _dim0_sharded(param: DTensor) -> int | None:
     return shards[0]
 
 
-class ShardedGradReducer:
+class ShardedGradReducer(_BucketedReducer):
     """Sums full-shape local gradients over ranks into the grads of FSDP2/HSDP parameters, in buckets.
 
     Each parameter's gradient is padded along dim 0 to a multiple of the shard count and cut into one
@@ -122,13 +204,6 @@ class ShardedGradReducer:
     Every rank must add the same parameters in the same order (the collectives must match).
     """
 
-    def __init__(self, bucket_bytes: int | None = None):
-        self.bucket_bytes = BUCKET_BYTES if bucket_bytes is None else bucket_bytes
-        self._pending: list[tuple[DTensor, torch.Tensor | None]] = []
-        self._pending_bytes = 0
-        self._key = None  # (mesh, placements) of the pending bucket
-        self._in_flight = None  # (work, reduced buffer, params) of the bucket being reduced
-
     def add(self, param: DTensor, grad: torch.Tensor | None) -> None:
         """Queues sum-over-ranks of `grad` (param's full shape, any float dtype; None: zeros) into param.grad."""
         shard_dim = _dim0_sharded(param)
@@ -136,33 +211,21 @@ class ShardedGradReducer:
             full = grad if grad is not None else torch.zeros(param.shape, device=param.to_local().device)
             accumulate_grad(param, reduce_to_param(full.to(param.dtype), param))
             return
-        key = (param.device_mesh, param.placements)
-        if self._pending and key != self._key:
-            self._send()
-        self._key = key
-        self._pending.append((param, grad))
-        self._pending_bytes += _padded_numel(param, shard_dim) * param.element_size()
-        if self._pending_bytes >= self.bucket_bytes:
-            self._send()
-
-    def finish(self) -> None:
-        """Sends what is pending and writes every reduced shard into its parameter's grad."""
-        if self._pending:
-            self._send()
-        self._complete()
+        nbytes = _padded_numel(param, shard_dim) * param.element_size()
+        self._queue(param, grad, (param.device_mesh, param.placements), nbytes)
 
     def _send(self) -> None:
-        params = [p for p, _ in self._pending]
         mesh, placements = self._key
+        pending = self._take()
+        params = [p for p, _ in pending]
         shard_dim = _dim0_sharded(params[0])
         ranks, dtype = mesh.size(shard_dim), params[0].dtype
         widths = [_padded_numel(p, shard_dim) // ranks for p in params]
         buffer = torch.empty(ranks, sum(widths), dtype=dtype, device=params[0].to_local().device)
         offset = 0
-        for (param, grad), width in zip(self._pending, widths):
+        for (param, grad), width in zip(pending, widths):
             _pack_chunks(buffer[:, offset : offset + width], grad, param.shape[0])
             offset += width
-        self._pending, self._pending_bytes = [], 0
         self._complete()  # at most one bucket in flight: its buffers are freed before the next is sent
         reduced = buffer.new_empty(buffer.shape[1])
         work = dist.reduce_scatter_tensor(reduced, buffer.view(-1), group=mesh.get_group(shard_dim), async_op=True)

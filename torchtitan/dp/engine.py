@@ -282,18 +282,19 @@ class DPEngine:
             for _, p in self._params:
                 p.grad = None
             (loss_sum / batch).backward()
-            new = [p.grad for _, p in self._params if p.grad is not None]
-            dpdist.all_reduce_grads(new, self._groups)
-            for p, g in previous.items():
-                if g is not None:
-                    p.grad = g if p.grad is None else p.grad.add_(g)
+            reducer = dpdist.ReplicatedGradReducer(self._groups)
+            for _, p in self._params:
+                new, p.grad = p.grad, previous[p]
+                if new is not None:
+                    reducer.add(p, new)  # summed over ranks into what earlier micro-batches left
+            reducer.finish()
         else:
             (loss_sum / batch).backward()
 
     def _write_grads(self, scale: Coefficients | None) -> None:
         """sum_i scale_i g_i per parameter, reduced over ranks, into .grad: book-keeping's one matmul per layer from
         the kept input and output gradient, or (scale None) the gradients ghost clipping's second pass left."""
-        plain = []
+        plain = dpdist.ReplicatedGradReducer(self._groups)
         sharded = dpdist.ShardedGradReducer()
         # Every record, captured or not, in a fixed order: ranks must issue the same collectives.
         for record in self._capture.records:
@@ -308,15 +309,10 @@ class DPEngine:
             record.state = {}
             for name, grad in grads.items():
                 param = record.params[name]
-                if isinstance(param, DTensor):
-                    sharded.add(param, grad)  # reduce-scattered in buckets, cast to the param's dtype there
-                else:
-                    plain.append((param, torch.zeros_like(param) if grad is None else grad.to(param.dtype)))
+                # Reduced in buckets while the next layers' gradients are formed, cast to the param's dtype there.
+                (sharded if isinstance(param, DTensor) else plain).add(param, grad)
         sharded.finish()
-        if self._groups and plain:
-            dpdist.all_reduce_grads([g for _, g in plain], self._groups)
-        for param, grad in plain:
-            dpdist.accumulate_grad(param, grad)
+        plain.finish()
 
     def _add_noise(self, batch) -> None:
         if self.noise_multiplier == 0:

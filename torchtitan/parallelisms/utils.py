@@ -138,54 +138,96 @@ def apply_compile(model: nn.Module, mode: str = "default", scope: str = "block",
     logger.info(f"compiled {what} with torch.compile(fullgraph={fullgraph}, mode={mode!r})")
 
 
-def compile_scope(compile_config, parallel_dims, private: bool = False) -> str:
-    """compile.scope with "auto" resolved: on CUDA the whole model on one device or under DDP (not under DP-SGD over
-    several ranks), where it was measured faster (DiT-XL/2 on one H200 at 32, 64 and 224 images a step, Llama-3.2-1B
-    equal; DDP over 4 H200s at 32 images a GPU 1.12x each block's graph: docs/benchmark_log.md, 2026-11-27 and
-    2026-11-27 (c)), and each block otherwise: FSDP's hooks stay outside compiled code, and on the CPU one block's
-    graph, compiled once for all blocks, keeps start-up short."""
+def compile_scope(compile_config, parallel_dims) -> str:
+    """compile.scope with "auto" resolved: on CUDA the whole model on one device or under DDP, DP-SGD included, where
+    it was measured faster (DiT-XL/2 on one H200 at 32, 64 and 224 images a step, Llama-3.2-1B equal; DDP over 4
+    H200s at 32 images a GPU 1.12x each block's graph; DP-SGD's flash book-keeping step on one H200 1.17x the
+    non-private one against 1.69x with each block's graph: docs/benchmark_log.md, 2026-11-27 and 2026-11-27 (c)), and
+    each block otherwise: FSDP's hooks stay outside compiled code, and on the CPU one block's graph, compiled once for
+    all blocks, keeps start-up short."""
     if compile_config.scope != "auto":
         return compile_config.scope
-    whole = not parallel_dims.fsdp_enabled and not (private and parallel_dims.dp_degree > 1)
+    whole = not parallel_dims.fsdp_enabled
     return "model" if whole and torch.cuda.is_available() else "block"
 
 
-def full_graph(job_config, scope: str) -> bool:
-    """fullgraph for apply_compile of `scope`: True, except for a whole compiled model under DP-SGD, whose root
-    pre-hook (it makes the per-row token the engine backpropagates to, outside any graph) is one graph break at its
-    start."""
-    return not (job_config.dp.enable and scope == "model")
+def full_graph(job_config, scope: str, replicated: bool = False) -> bool:
+    """fullgraph for apply_compile of `scope`: True, except for a whole compiled model under DP-SGD on one device,
+    whose root pre-hook (it makes the per-row token the engine backpropagates to, outside any graph) is one graph
+    break at its start. Under DDP (`replicated`) the model's `forward` is compiled, and the hook runs before it."""
+    return not (job_config.dp.enable and scope == "model" and not replicated)
 
 
-def reshards_after_forward(mode: str, num_blocks: int) -> tuple[list[bool], bool]:
-    """`parallelism.fsdp_reshard_after_forward` as fully_shard's flag for each block and for the root: "always"
-    frees every gathered parameter after forward, "never" keeps them all for backward, "default" frees all but the
-    last block's (backward needs those right away) and the root's."""
+def reshards_after_forward(mode: str, num_units: int) -> tuple[list[bool], bool]:
+    """`parallelism.fsdp_reshard_after_forward` as fully_shard's flag for each unit of blocks and for the root:
+    "always" frees every gathered parameter after forward, "never" keeps them all for backward, "default" frees all
+    but the last unit's (backward needs those right away) and the root's."""
     if mode == "default":
-        return [index < num_blocks - 1 for index in range(num_blocks)], False
-    return [mode == "always"] * num_blocks, mode == "always"
+        return [index < num_units - 1 for index in range(num_units)], False
+    return [mode == "always"] * num_units, mode == "always"
+
+
+# The gathered parameters (in the compute dtype) of one FSDP unit that `parallelism.fsdp_blocks_per_unit = 0` sizes
+# units to: DiT-XL/2's 28 blocks (46 MiB each in bf16) go in 2 units, the 7B flavor's (about 580 MiB) one a unit.
+UNIT_BYTES = 1 << 30
+
+
+def blocks_per_unit(setting: int, block_bytes: int, num_blocks: int) -> int:
+    """`parallelism.fsdp_blocks_per_unit` resolved: the setting when above 0; 0 (auto) as many blocks as gather in
+    UNIT_BYTES, and at most half of them (two units or more, so that one unit's all-gather runs beside the other's
+    compute), one at least. DiT-XL/2 on 2 H200s at 64 images a GPU: 505, 759, 910 and 1030 images/s with units of
+    1, 4, 7 and 14 blocks (the last DDP's 1030), for 22.3 to 23.6 GiB a GPU (docs/benchmark_log.md, 2026-11-28 (n))."""
+    if setting > 0:
+        return min(setting, num_blocks)
+    return max(1, min(UNIT_BYTES // max(block_bytes, 1), num_blocks // 2))
+
+
+def fsdp_units(num_blocks: int, blocks_per_unit: int) -> list[range]:
+    """The blocks of each FSDP unit (`parallelism.fsdp_blocks_per_unit` consecutive blocks, the last unit the
+    rest): each unit's parameters are gathered by one all-gather and its gradients reduced by one reduce-scatter."""
+    return [range(start, min(start + blocks_per_unit, num_blocks)) for start in range(0, num_blocks, blocks_per_unit)]
 
 
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, param_dtype: torch.dtype,
-               reduce_dtype: torch.dtype, reshard_after_forward: str) -> None:  # fmt: skip
-    """FSDP2 fully_shard per block, then the root (HSDP when the mesh is 2D)."""
+               reduce_dtype: torch.dtype, reshard_after_forward: str, units_of: int = 0,
+               prefetch: int = 1) -> None:  # fmt: skip
+    """FSDP2 fully_shard per unit of blocks (`units_of` blocks, 0: `blocks_per_unit`'s auto), then the root (HSDP
+    when the mesh is 2D).
+
+    prefetch: units whose all-gather each unit issues as it starts, forward and backward (the next ones in the
+    order they run); 0 leaves it to FSDP2, which all-gathers a unit when the host reaches it.
+    """
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    block_flags, root_flag = reshards_after_forward(reshard_after_forward, len(blocks))
-    for block, reshard in zip(blocks, block_flags, strict=True):
-        fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
+    block_bytes = sum(p.numel() for p in blocks[0].parameters()) * param_dtype.itemsize if blocks else 0
+    per_unit = blocks_per_unit(units_of, block_bytes, len(blocks)) if blocks else 1
+    units = [[blocks[i] for i in unit] for unit in fsdp_units(len(blocks), per_unit)]
+    logger.info(f"FSDP units: {len(units)} of up to {per_unit} blocks, prefetch {prefetch}")
+    unit_flags, root_flag = reshards_after_forward(reshard_after_forward, len(units))
+    for unit, reshard in zip(units, unit_flags, strict=True):
+        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=root_flag)
+    if prefetch:
+        heads = [unit[0] for unit in units]
+        for index, head in enumerate(heads):
+            head.set_modules_to_forward_prefetch(heads[index + 1 : index + 1 + prefetch])
+            head.set_modules_to_backward_prefetch(heads[max(0, index - prefetch) : index][::-1])
 
 
-def apply_ddp(model: nn.Module, mesh: DeviceMesh, compiled: bool, bucket_cap_mb: int = 100) -> None:
+def apply_ddp(model: nn.Module, mesh: DeviceMesh, compiled: bool, bucket_cap_mb: int = 100,
+              reduces: bool = True) -> None:  # fmt: skip
     """Composable DDP (replicate) over the replicate mesh, its gradients all-reduced in buckets of `bucket_cap_mb`.
 
     The gradients are views of the buckets (`gradient_as_bucket_view`): the same all-reduce, without a copy of
     each bucket back into its gradients after it, nor the bucket's memory on top of the gradients': 5% more
-    images/s for DiT-XL/2 at 32 a GPU on 4 H200s with one bucket (docs/benchmark_log.md, 2026-11-27 (g))."""
+    images/s for DiT-XL/2 at 32 a GPU on 4 H200s with one bucket (docs/benchmark_log.md, 2026-11-27 (g)).
+
+    reduces: False when no gradient reaches DDP's reducer (DP-SGD's private modes, whose engine computes and
+    all-reduces the gradients itself): a compiled model is then one graph, not split at buckets nobody reduces.
+    """
     from torch.distributed._composable.replicate import replicate
 
     if compiled:
-        torch._dynamo.config.optimize_ddp = "ddp_optimizer"
+        torch._dynamo.config.optimize_ddp = "ddp_optimizer" if reduces else False
     replicate(model, device_mesh=mesh, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=True)
 
 
@@ -200,8 +242,12 @@ def apply_data_parallel(model: nn.Module, blocks: list[nn.Module], parallel_dims
             param_dtype=torch_dtype(job_config.training.mixed_precision_param),
             reduce_dtype=torch_dtype(job_config.training.mixed_precision_reduce),
             reshard_after_forward=job_config.parallelism.fsdp_reshard_after_forward,
+            units_of=job_config.parallelism.fsdp_blocks_per_unit,
+            prefetch=job_config.parallelism.fsdp_prefetch,
         )
         logger.info(f"applied {parallel_dims.mode.upper()} to the model")
     elif parallel_dims.ddp_enabled:
-        apply_ddp(model, parallel_dims.mesh["dp_replicate"], compiled, job_config.parallelism.ddp_bucket_cap_mb)
+        private = job_config.dp.enable and job_config.dp.mode != "vanilla"
+        apply_ddp(model, parallel_dims.mesh["dp_replicate"], compiled, job_config.parallelism.ddp_bucket_cap_mb,
+                  reduces=not private)  # fmt: skip
         logger.info("applied DDP (replicate) to the model")

@@ -316,7 +316,7 @@ def estimate_from_job_config(cfg, world_size: int = 1, device_type: str = "cuda"
     optimizer = (cfg.optimizer.name, cfg.optimizer.momentum)
     return estimate_model_memory(model, cfg.training.local_batch_size, precision, ac.mode, ac.selective_ac_option,
                                  compiled, dims.dp_shard, dims.dp_replicate, rank, cfg.training.ema_decay > 0,
-                                 p.fsdp_reshard_after_forward, optimizer)  # fmt: skip
+                                 p.fsdp_reshard_after_forward, optimizer, units_of=p.fsdp_blocks_per_unit)  # fmt: skip
 
 
 # The estimate has been up to 11% above measured peaks (docs/memory.md): a run is refused only when it would not

@@ -13,7 +13,7 @@ parameters. Activations are as exact as a family's rows: each family says where 
 import math
 from dataclasses import dataclass, field
 
-from torchtitan.parallelisms.utils import checkpointed_blocks, reshards_after_forward
+from torchtitan.parallelisms.utils import blocks_per_unit, checkpointed_blocks, fsdp_units, reshards_after_forward
 
 PRECISIONS = ("fp32", "bf16_autocast", "bf16_fsdp")
 MIB, GIB = 1024**2, 1024**3
@@ -252,10 +252,12 @@ def _activation_parts(model: ModelMemory, batch: int, precision: str, ac: tuple[
 def estimate_model_memory(model: ModelMemory, batch: int, precision: str = "bf16_autocast", ac_mode: str = "none",
                           ac_option: str = "op", compiled: bool = False, dp_shard: int = 1, dp_replicate: int = 1,
                           rank: int = 0, ema: bool = True, reshard_after_forward: str = "default",
-                          optimizer: tuple[str, float] = ("AdamW", 0.0)) -> MemoryEstimate:  # fmt: skip
+                          optimizer: tuple[str, float] = ("AdamW", 0.0),
+                          units_of: int = 0) -> MemoryEstimate:  # fmt: skip
     """Memory of one rank training the model that `model` describes: the one estimator of every family.
 
-    Args: as `estimate_memory`'s (`model` built for the same precision and AC).
+    Args: as `estimate_memory`'s (`model` built for the same precision and AC); `units_of`:
+        `parallelism.fsdp_blocks_per_unit` (0: its auto).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
@@ -274,16 +276,21 @@ def estimate_model_memory(model: ModelMemory, batch: int, precision: str = "bf16
         block = sum(v for n, v in gathered.items() if n.startswith(f"{model.block_prefix}0."))
         root = sum(v for n, v in gathered.items() if not n.startswith(model.block_prefix))
         compute = 4 if precision == "fp32" else 2
-        # Which modules keep their gathered parameters from forward to backward: apply_fsdp's flags.
-        block_flags, root_flag = reshards_after_forward(reshard_after_forward, model.depth)
-        blocks_kept, root_kept = block_flags.count(False), 0 if root_flag else root
+        # Which modules keep their gathered parameters from forward to backward: apply_fsdp's units and flags.
+        per_unit = blocks_per_unit(units_of, block * compute, model.depth)
+        units = fsdp_units(model.depth, per_unit)
+        unit_flags, root_flag = reshards_after_forward(reshard_after_forward, len(units))
+        blocks_kept = sum(len(unit) for unit, flag in zip(units, unit_flags) if not flag)
+        root_kept = 0 if root_flag else root
         kept = f"the root and {blocks_kept} of {model.depth} blocks" if root_kept else "nothing"
         est.parts["fsdp_gathered"] = (root_kept + blocks_kept * block) * compute
-        transient = 2 * block * compute + 2 * block * 4  # gathered block + prefetch; unsharded grad + RS buffer
+        # A gathered unit and the next one prefetched; a unit's unsharded gradients and its reduce-scatter buffer.
+        transient = per_unit * (2 * block * compute + 2 * block * 4)
         est.parts["backward_working"] += transient
         gathered_bytes = fmt_bytes(est.parts["fsdp_gathered"])
         est.lines.append(f"FSDP (reshard_after_forward {reshard_after_forward!r}): {kept} stay gathered "
-                         f"({gathered_bytes}); per block in flight: {fmt_bytes(transient)}")  # fmt: skip
+                         f"({gathered_bytes}); units of {per_unit} blocks, in flight: "
+                         f"{fmt_bytes(transient)}")  # fmt: skip
     p = est.parts
     static = p["parameters"] + p["optimizer_states"] + p.get("ema", 0) + p["buffers"] + p.get("ddp_buckets", 0)
     held = p["activations"] + p.get("autocast_weight_copies", 0) + p.get("fsdp_gathered", 0)

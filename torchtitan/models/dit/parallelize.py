@@ -54,8 +54,9 @@ def parallelize_dit(model: nn.Module, parallel_dims: ParallelDims, job_config) -
     if ac.mode != "none":
         apply_ac(model.blocks, ac.mode, ac.selective_ac_option, save_ops=conversion.save_ops)
     if compiled:
-        scope = compile_scope(compile_config, parallel_dims, job_config.dp.enable)
-        apply_compile(model, compile_config.mode, scope, fullgraph=full_graph(job_config, scope),
-                      replicated=parallel_dims.ddp_enabled)  # fmt: skip
+        scope = compile_scope(compile_config, parallel_dims)
+        replicated = parallel_dims.ddp_enabled
+        apply_compile(model, compile_config.mode, scope, fullgraph=full_graph(job_config, scope, replicated),
+                      replicated=replicated)  # fmt: skip
     apply_data_parallel(model, list(model.blocks.values()), parallel_dims, job_config, job_config.compile.enable)
     return model

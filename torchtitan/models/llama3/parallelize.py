@@ -23,8 +23,9 @@ def parallelize_llama3(model: nn.Module, parallel_dims: ParallelDims, job_config
     if ac.mode != "none":
         apply_ac(model.layers, ac.mode, ac.selective_ac_option)
     if compiled:
-        scope = compile_scope(compile_config, parallel_dims, job_config.dp.enable)
-        apply_compile(model, compile_config.mode, scope, fullgraph=full_graph(job_config, scope), blocks=model.layers,
-                      replicated=parallel_dims.ddp_enabled)  # fmt: skip
+        scope = compile_scope(compile_config, parallel_dims)
+        replicated = parallel_dims.ddp_enabled
+        apply_compile(model, compile_config.mode, scope, fullgraph=full_graph(job_config, scope, replicated),
+                      blocks=model.layers, replicated=replicated)  # fmt: skip
     apply_data_parallel(model, list(model.layers.values()), parallel_dims, job_config, compiled)
     return model
