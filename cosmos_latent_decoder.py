@@ -31,16 +31,15 @@ from pathlib import Path
 
 import torch
 
+from torchtitan.datasets.latent_tokenizer import check_tokenizer_matches, same_tokenizer
 from torchtitan.datasets.latents import (
     META_FILE,
     LatentNormalization,
-    check_tokenizer_matches,
     file_normalization,
     file_tokenizer,
     normalization_for,
     read_file_metadata,
     read_meta,
-    same_tokenizer,
 )
 from torchtitan.datasets.tokenizers import (  # noqa: F401  (the public API, re-exported)
     KINDS,

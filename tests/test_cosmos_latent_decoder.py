@@ -13,7 +13,7 @@ from torch import nn
 
 import cosmos_latent_decoder as cld
 from torchtitan.config_manager import JobConfig
-from torchtitan.datasets.latents import decoder_files, decoder_sha256
+from torchtitan.datasets.latent_tokenizer import decoder_files, decoder_sha256
 from torchtitan.tools.images import save_image_grid
 
 

@@ -19,14 +19,8 @@ from tests.conftest import ROOT, TINY, read_metrics, run_train
 from tests.test_cosmos_latent_decoder import make_image_folder, make_jit_tokenizer, make_sd_vae
 from torchtitan.datasets import DiffusionDataLoader, build_dataset
 from torchtitan.datasets.imagefolder import ImageFolderDataset
-from torchtitan.datasets.latents import (
-    LatentNormalization,
-    LatentShardDataset,
-    combine_moments,
-    decoder_sha256,
-    moments_std,
-    read_meta,
-)
+from torchtitan.datasets.latent_tokenizer import decoder_sha256
+from torchtitan.datasets.latents import LatentNormalization, LatentShardDataset, combine_moments, moments_std, read_meta
 from torchtitan.datasets.prefetch import images_to_float
 from torchtitan.datasets.prepare_latents import prepare_latents
 from torchtitan.job_config import DataLoader as DataLoaderConfig
@@ -437,7 +431,7 @@ def test_diffusers_hash_covers_the_network_not_the_bookkeeping(tmp_path):
     assert variant("weight", weight="decoder.conv_out.bias") != original
 
     # A meta.json of format 1 recorded the hash of the folder's file bytes: still checked against that.
-    from torchtitan.datasets.latents import check_tokenizer_matches
+    from torchtitan.datasets.latent_tokenizer import check_tokenizer_matches
 
     files = [tmp_path / "vae" / "config.json", tmp_path / "vae" / "diffusion_pytorch_model.safetensors"]
     tokenizer = {"kind": "diffusers", "name": "AutoencoderKL:vae", "latent_channels": 4, "downsample": 2,

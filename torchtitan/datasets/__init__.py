@@ -63,7 +63,8 @@ def build_dataset(training_config, model_args, latent_config=None, images: bool 
 
         dataset = CIFAR10Dataset(training_config.dataset_path)
     elif name == "latents":
-        from torchtitan.datasets.latents import LatentShardDataset, check_tokenizer_matches
+        from torchtitan.datasets.latent_tokenizer import check_tokenizer_matches
+        from torchtitan.datasets.latents import LatentShardDataset
         from torchtitan.job_config import Latent
 
         latent_config = latent_config or Latent()
@@ -120,13 +121,8 @@ def build_held_out_dataset(job_config, model_args) -> Dataset:
 def _held_out_latents(path: str, training_path: str, latent_config) -> Dataset:
     """Held-out latent shards in the model space of the training latents: their normalization (a folder's own
     per-channel statistics would shift the inputs) and their tokenizer's latents."""
-    from torchtitan.datasets.latents import (
-        LatentShardDataset,
-        describe_tokenizer,
-        normalization_for,
-        read_meta,
-        same_tokenizer,
-    )
+    from torchtitan.datasets.latent_tokenizer import describe_tokenizer, same_tokenizer
+    from torchtitan.datasets.latents import LatentShardDataset, normalization_for, read_meta
 
     dataset = LatentShardDataset(path, random_flip=False)
     trained = read_meta(training_path)

@@ -25,20 +25,18 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, Subset
 
+from torchtitan.datasets.latent_tokenizer import describe_tokenizer, same_tokenizer, tokenizer_record
 from torchtitan.datasets.latents import (
     FEATURES_METADATA,
     FORMAT,
     META_FILE,
     LatentNormalization,
     combine_moments,
-    describe_tokenizer,
     features_metadata,
     file_tokenizer,
     latent_file_metadata,
     moments_std,
-    same_tokenizer,
     shard_name,
-    tokenizer_record,
 )
 from torchtitan.datasets.prefetch import images_to_float
 from torchtitan.tools.logging import logger

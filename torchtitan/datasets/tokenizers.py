@@ -332,7 +332,7 @@ def load_training_decoder(job_config, device: torch.device | str) -> LatentToken
 
 def _checked_decoder(job_config, device: torch.device) -> tuple[LatentTokenizer, dict | None]:
     """(the cached decoder, the prepared latents' meta.json or None): see `load_training_decoder`."""
-    from torchtitan.datasets.latents import check_tokenizer_matches
+    from torchtitan.datasets.latent_tokenizer import check_tokenizer_matches
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     latent, dataset_path = job_config.latent, job_config.training.dataset_path
