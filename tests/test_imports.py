@@ -35,6 +35,7 @@ FLOORS = {
     "torchtitan.models": 2,
     "torchtitan.train_spec": 3,
     "torchtitan.config_validation": 3,
+    "torchtitan.config_validation_dit": 3,
     "torchtitan.config_manager": 3,
     "torchtitan.trainer": 4,
     "torchtitan.measure": 4,
