@@ -284,8 +284,10 @@ def estimate_model_memory(model: ModelMemory, batch: int, precision: str = "bf16
         root_kept = 0 if root_flag else root
         kept = f"the root and {blocks_kept} of {model.depth} blocks" if root_kept else "nothing"
         est.parts["fsdp_gathered"] = (root_kept + blocks_kept * block) * compute
-        # A gathered unit and the next one prefetched; a unit's unsharded gradients and its reduce-scatter buffer.
-        transient = per_unit * (2 * block * compute + 2 * block * 4)
+        # A gathered unit and the next one prefetched, and a block's unsharded fp32 gradient and reduce-scatter
+        # buffer: a unit's gradients come at its end, when its activations are freed. Fitted to DiT-XL/2 on 2 H200s at
+        # 64 a GPU: units of 14 blocks peaked 1.3 GiB above units of one, 1.2 GiB here (benchmark_log.md, (n)).
+        transient = 2 * per_unit * block * compute + 2 * block * 4
         est.parts["backward_working"] += transient
         gathered_bytes = fmt_bytes(est.parts["fsdp_gathered"])
         est.lines.append(f"FSDP (reshard_after_forward {reshard_after_forward!r}): {kept} stay gathered "
