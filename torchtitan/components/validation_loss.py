@@ -33,7 +33,7 @@ from torch.utils.data import default_collate
 from torchtitan.datasets import build_held_out_dataset
 from torchtitan.datasets.loader import held_out_positions
 from torchtitan.datasets.prefetch import batch_to_device
-from torchtitan.diffusion import validation_timesteps
+from torchtitan.diffusion import IndexedNoise, validation_timesteps
 from torchtitan.errors import ConfigError, at
 from torchtitan.tools.logging import logger
 
@@ -44,8 +44,7 @@ _NOISE_STREAM = 1 << 32  # position p's noise: the generator seeded seed * 2**32
 def held_out_noise(seed: int, positions: list[int], shape: tuple[int, ...]) -> torch.Tensor:
     """The noise of held-out positions, (B, *shape) float32 on the CPU: position p's from a generator of its own
     seeded by seed * 2**32 + p, so any rank, batch or program draws the same for it."""
-    draws = [torch.randn(shape, generator=torch.Generator().manual_seed(seed * _NOISE_STREAM + p)) for p in positions]
-    return torch.stack(draws)
+    return IndexedNoise(seed, positions, stride=_NOISE_STREAM).normal((len(positions), *shape))
 
 
 class HeldOutLoss:

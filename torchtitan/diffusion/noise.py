@@ -20,8 +20,9 @@ class IndexedNoise:
     the sample's too, not the batch's.
     """
 
-    def __init__(self, seed: int, indices: Sequence[int]):
-        self.generators = [torch.Generator().manual_seed(seed * SEED_STRIDE + int(i)) for i in indices]
+    def __init__(self, seed: int, indices: Sequence[int], stride: int = SEED_STRIDE):
+        # stride: seeds a run of `stride` samples apart (the fixed-timestep validation loss draws another stream)
+        self.generators = [torch.Generator().manual_seed(seed * stride + int(i)) for i in indices]
 
     def normal(self, shape: Sequence[int]) -> torch.Tensor:
         """(B, ...) standard normal on the CPU, row b from generator b (B = the batch's samples)."""
