@@ -176,7 +176,7 @@ def blocks_per_unit(setting: int, block_bytes: int, num_blocks: int) -> int:
     """`parallelism.fsdp_blocks_per_unit` resolved: the setting when above 0; 0 (auto) as many blocks as gather in
     UNIT_BYTES, and at most half of them (two units or more, so that one unit's all-gather runs beside the other's
     compute), one at least. DiT-XL/2 on 2 H200s at 64 images a GPU: 505, 759, 910 and 1030 images/s with units of
-    1, 4, 7 and 14 blocks (the last DDP's 1030), for 22.3 to 23.6 GiB a GPU (docs/benchmark_log.md, 2026-11-28 (n))."""
+    1, 4, 7 and 14 blocks, for 22.3 to 23.6 GiB a GPU (docs/benchmark_log.md, 2026-11-28 (n))."""
     if setting > 0:
         return min(setting, num_blocks)
     return max(1, min(UNIT_BYTES // max(block_bytes, 1), num_blocks // 2))
