@@ -334,16 +334,32 @@ def test_eval_forward_is_untouched_and_hooks_detach():
     assert model.net[0].weight.grad is not None
 
 
+def _count_python_norms(engine: DPEngine) -> list[str]:
+    """The names of the layers whose norms the engine's Python computes from now on, one entry per call."""
+    calls = []
+    for record in engine._capture.records:
+
+        def norm_sq(*args, name=record.name, rule_norm_sq=record.rule.norm_sq):
+            calls.append(name)
+            return rule_norm_sq(*args)
+
+        record.rule = dataclasses.replace(record.rule, norm_sq=norm_sq)
+    return calls
+
+
+@pytest.mark.parametrize("model_type", [Tokens, PatchesAndLabels])
 @pytest.mark.parametrize("mode", ["ghost", "bookkeeping"])
-def test_compiled_model_stays_exact(mode):
-    # The capture is traced code and one custom op: the only graph break is the root's pre-hook that makes the
-    # token. The "eager" backend checks the tracing quickly (tests/test_dp_composition.py runs inductor).
-    model, batch = _perturb(Tokens()), _toy_batches()[Tokens]
+def test_compiled_model_stays_exact(mode, model_type):
+    # The capture is traced code and custom ops: the only graph break is the root's pre-hook that makes the token.
+    # Book-keeping's compiled backward computes every layer's norms in its graph, so the engine's Python computes
+    # none. The "eager" backend checks the tracing quickly (tests/test_dp_composition.py runs inductor).
+    model, batch = _perturb(model_type()), _toy_batches()[model_type]
     ref = _reference(model, _mse, batch)
     torch._dynamo.reset()
     counters.clear()
     model.compile(backend="eager", fullgraph=False)  # as the trainer does: compile, then build the engine
     engine = DPEngine(model, mode, ref["max_norm"], 0.0)
+    python_norms = _count_python_norms(engine)
     for _ in range(2):
         for p in model.parameters():
             p.grad = None
@@ -351,6 +367,7 @@ def test_compiled_model_stays_exact(mode):
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, ref["clipped"][name], rtol=1e-4, atol=1e-7)
     assert sum(counters["graph_break"].values()) <= 1, dict(counters["graph_break"])
+    assert len(python_norms) == (0 if mode == "bookkeeping" else 2 * len(engine._capture.records)), python_norms
 
 
 def test_hooks_seeing_other_modules_later_raises():

@@ -8,6 +8,9 @@ result is the token's gradient: the layer's per-sample squared gradient norms. S
 token)` returns the per-sample squared norms summed over every layer, while the custom op passes each layer's input
 and output gradient to the engine (book-keeping keeps them; ghost clipping's second pass turns them into weight
 gradients). Autograd computes no weight gradient at all: the parameters are detached inside their modules.
+In book-keeping modes a compiled backward computes each layer's norms itself, with the rule's torch ops, which the
+compiler fuses into its graph, and calls the lighter `torchtitan_dp::keep_layer` instead, which only keeps the
+layer's input and output gradient: no Python per layer for the norms.
 
 Nothing here is a Python-side hook on a traced path: the tap, the detached forward and the token are ordinary
 traced code, and the custom op is opaque to the compiler, which calls it like a kernel. A compiled block is one
@@ -99,7 +102,7 @@ def layer_backward(x: torch.Tensor, grad: torch.Tensor, key: torch.Tensor) -> to
     on_grad = record.capture.on_grad
     if on_grad is None:  # a plain .backward() of a DP model's loss: the layer adds nothing
         return grad.new_zeros(grad.shape[0], dtype=torch.float32)
-    return on_grad(record, x, grad)
+    return on_grad(record, x, grad, None)
 
 
 @layer_backward.register_fake
@@ -107,18 +110,51 @@ def _(x, grad, key):
     return grad.new_empty(grad.shape[0], dtype=torch.float32)
 
 
+@torch.library.custom_op("torchtitan_dp::keep_layer", mutates_args=())
+def keep_layer(x: torch.Tensor, grad: torch.Tensor, key: torch.Tensor, norm_sq: torch.Tensor,
+               state: list[torch.Tensor], state_names: str) -> torch.Tensor:  # fmt: skip
+    """`layer_backward` for a compiled backward that computed the layer's (B,) squared norms `norm_sq` itself (and
+    the pieces its rule left in `state`, named by the comma-separated `state_names`): the engine only keeps what the
+    layer saw and runs its checks, in Python, with no kernel but a copy of the norms (an op's result is its own)."""
+    record = _RECORDS[int(key)]
+    on_grad = record.capture.on_grad
+    if on_grad is None:  # a plain .backward() of a DP model's loss: the layer adds nothing
+        return grad.new_zeros(grad.shape[0], dtype=torch.float32)
+    names = state_names.split(",") if state_names else []
+    share = on_grad(record, x, grad, (norm_sq, dict(zip(names, state, strict=True))))
+    return share.clone() if share is norm_sq else share
+
+
+@keep_layer.register_fake
+def _(x, grad, key, norm_sq, state, state_names):
+    return grad.new_empty(grad.shape[0], dtype=torch.float32)
+
+
 class _Tap(torch.autograd.Function):
-    """Identity on a layer's output; its backward gives the token the layer's per-sample squared norms."""
+    """Identity on a layer's output; its backward gives the token the layer's per-sample squared norms.
+
+    Given the module (`module`, book-keeping modes), a traced backward computes the norms itself with the rule's torch
+    ops, which the compiler fuses into the graph, for one row per sample (augmult's K is known only at the engine's
+    backward; the engine recomputes the norms there for K > 1). Otherwise, and always when not traced, the custom op
+    `layer_backward` computes them in Python at run time.
+    """
 
     @staticmethod
-    def forward(ctx, out, x, token, key):
+    def forward(ctx, out, x, token, key, module):
         ctx.save_for_backward(x, key)
+        ctx.module = module
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad):
         x, key = ctx.saved_tensors
-        return grad, None, torch.ops.torchtitan_dp.layer_backward(x, grad, key), None
+        module = ctx.module
+        if module is None or not torch.compiler.is_compiling():
+            return grad, None, torch.ops.torchtitan_dp.layer_backward(x, grad, key), None, None
+        state = {}
+        norm_sq = module._dp_rule.norm_sq(module, x, grad, module._dp_names, False, 1, state)
+        share = torch.ops.torchtitan_dp.keep_layer(x, grad, key, norm_sq, list(state.values()), ",".join(state))
+        return grad, None, share, None, None
 
 
 def _captured_forward(self, *args, **kwargs):
@@ -135,7 +171,8 @@ def _captured_forward(self, *args, **kwargs):
     out = rule.forward(self, *args, **kwargs)
     if not isinstance(out, torch.Tensor):
         raise NotImplementedError(f"{type(self).__name__} must return one tensor for DP-SGD")
-    return _Tap.apply(out, x if rule.keep_input else x.new_empty(0), token, self._dp_key)
+    module = self if self._dp_capture.norms_in_graph else None
+    return _Tap.apply(out, x if rule.keep_input else x.new_empty(0), token, self._dp_key, module)
 
 
 def _captured_class(cls: type) -> type:
@@ -147,14 +184,19 @@ def _captured_class(cls: type) -> type:
 class LayerCapture:
     """Makes a model's clipped modules capture what the engine needs, and holds what one step captured."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, norms_in_graph: bool = False):
         self.records = build_records(model, self)
         self.token: torch.Tensor | None = None
-        self.on_grad = None  # set by the engine during its passes: (record, x, grad) -> (rows,) float32
+        # Set by the engine during its passes: (record, x, grad, computed) -> (rows,) float32, `computed` the
+        # (norm_sq, state) a compiled backward found (keep_layer) or None (layer_backward).
+        self.on_grad = None
+        # Compiled backwards compute the norms in their graph (one-pass modes: nothing else needs the layer's
+        # norms); read when a forward is traced.
+        self.norms_in_graph = norms_in_graph
         for record in self.records:
             module = record.module
             _RECORDS[record.key] = record
-            module._dp_capture, module._dp_rule = self, record.rule
+            module._dp_capture, module._dp_rule, module._dp_names = self, record.rule, record.param_names
             # A tensor, not an int: a compiled block's graph then serves every block (ints would be guarded on).
             module._dp_key = torch.tensor(record.key)
             module.__class__ = _captured_class(type(module))
@@ -183,7 +225,7 @@ class LayerCapture:
         for record in self.records:
             module = record.module
             module.__class__ = module._dp_base
-            del module._dp_capture, module._dp_rule, module._dp_key
+            del module._dp_capture, module._dp_rule, module._dp_names, module._dp_key
             _RECORDS.pop(record.key, None)
         self.records = []
 

@@ -102,7 +102,8 @@ class DPEngine:
         self._groups = dpdist.dp_groups(dp_mesh)
         self._sharded = any(isinstance(p, DTensor) for _, p in self._params)
         self._ddp = dpdist.is_ddp(model)
-        self._capture = LayerCapture(model) if mode != "vanilla" else None
+        # One-pass modes: a compiled backward computes the norms in its graph (capture.keep_layer).
+        self._capture = LayerCapture(model, norms_in_graph=mode not in _TWO_PASS) if mode != "vanilla" else None
         # Compiled parts in the model: their layer inputs are buffers of compiled code (see _keep_compiled_buffers).
         self._compiled = any(
             isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
@@ -205,15 +206,17 @@ class DPEngine:
         flash, two_pass = self.mode in _FLASH, self.mode in _TWO_PASS
         group, samples = self._group, losses.shape[0]
 
-        def on_grad(record: LayerRecord, x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        def on_grad(record: LayerRecord, x: torch.Tensor, grad: torch.Tensor, computed) -> torch.Tensor:
             if record.seen:
                 raise RuntimeError(
                     f"module {record.name} ran twice in one forward: a module must run once per forward, and each "
                     "forward must be followed by engine.backward()"
                 )
             record.seen = True
-            rule = record.rule
-            norm_sq = rule.norm_sq(record.module, x, grad, record.param_names, flash, group, record.state)
+            if computed is not None and group == 1:  # a compiled backward's norms, traced for one row per sample
+                norm_sq, record.state = computed
+            else:
+                norm_sq = record.rule.norm_sq(record.module, x, grad, record.param_names, flash, group, record.state)
             if two_pass:
                 record.state = {}  # the second pass computes the weight gradients afresh
             else:  # kept as they are: nothing writes into them while the engine holds them (_keep_compiled_buffers)
@@ -237,7 +240,7 @@ class DPEngine:
         output gradient, kept for `_write_grads`."""
         group = self._group
 
-        def on_grad(record: LayerRecord, x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        def on_grad(record: LayerRecord, x: torch.Tensor, grad: torch.Tensor, computed) -> torch.Tensor:
             record.grads = record.rule.grads(record.module, x, grad, None, record.param_names, group, {})
             return grad.new_zeros(grad.shape[0], dtype=torch.float32)
 
