@@ -119,7 +119,9 @@ def test_checkpointed_dit_matches_torch_func(ac):
 @parent_only
 @pytest.mark.parametrize("mode, ac", [("ghost", "every_2nd"), ("bookkeeping", "op")])
 def test_augmult_compiled_and_checkpointed(mode, ac):
-    """Augmult K = 2 (each sample's K rows consecutive, their losses averaged before clipping), compiled, with AC."""
+    """Augmult K = 2 (each sample's K rows consecutive, their losses averaged before clipping), compiled, with AC.
+    The engine is not told K (the trainer tells it, `augmult`): book-keeping's compiled graph computes norms for one
+    row a sample, which the engine must not use."""
     k, plain = 2, _plain_dit()
     x, t, y = _batch(3)
     g = torch.Generator().manual_seed(5)

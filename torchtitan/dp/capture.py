@@ -134,9 +134,9 @@ class _Tap(torch.autograd.Function):
     """Identity on a layer's output; its backward gives the token the layer's per-sample squared norms.
 
     Given the module (`module`, book-keeping modes), a traced backward computes the norms itself with the rule's torch
-    ops, which the compiler fuses into the graph, for one row per sample (augmult's K is known only at the engine's
-    backward; the engine recomputes the norms there for K > 1). Otherwise, and always when not traced, the custom op
-    `layer_backward` computes them in Python at run time.
+    ops, which the compiler fuses into the graph, for one row per sample (the engine passes no module with augmult's
+    K > 1, and recomputes the norms should a traced graph meet K > 1). Otherwise, and always when not traced, the
+    custom op `layer_backward` computes them in Python at run time.
     """
 
     @staticmethod

@@ -76,6 +76,8 @@ class DPEngine:
             each call over all data-parallel ranks (its mask if given).
         dp_mesh: the data-parallel DeviceMesh (1D, or 2D for HSDP); None: the default world.
         seed: noise seed; with the step counter it fixes the noise (see noise.py).
+        augmult: the K of the per-sample losses `backward` will get (rows per sample). A compiled backward is traced
+            before the first call says K, for one row a sample: with K > 1 the engine computes the norms instead.
     """
 
     def __init__(
@@ -87,6 +89,7 @@ class DPEngine:
         global_batch_size: int | float | None = None,
         dp_mesh=None,
         seed: int = 0,
+        augmult: int = 1,
     ):
         if mode not in DP_MODES:
             raise ValueError(f"DP mode must be one of {DP_MODES}, got {mode!r}")
@@ -103,7 +106,8 @@ class DPEngine:
         self._sharded = any(isinstance(p, DTensor) for _, p in self._params)
         self._ddp = dpdist.is_ddp(model)
         # One-pass modes: a compiled backward computes the norms in its graph (capture.keep_layer).
-        self._capture = LayerCapture(model, norms_in_graph=mode not in _TWO_PASS) if mode != "vanilla" else None
+        in_graph = mode not in _TWO_PASS and augmult == 1
+        self._capture = LayerCapture(model, norms_in_graph=in_graph) if mode != "vanilla" else None
         # Compiled parts in the model: their layer inputs are buffers of compiled code (see _keep_compiled_buffers).
         self._compiled = any(
             isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None

@@ -55,7 +55,7 @@ class PrivateTraining:
                             "sample_rate": float(self.sample_rate), "accountant": dp_config.accountant,
                             "configured_noise_multiplier": float(dp_config.noise_multiplier)}  # fmt: skip
         self.engine = DPEngine(model, dp_config.mode, dp_config.max_grad_norm, sigma, global_batch_size=global_batch,
-                               dp_mesh=mesh, seed=seed)  # fmt: skip
+                               dp_mesh=mesh, seed=seed, augmult=dp_config.augmult)  # fmt: skip
         self.accountant = PrivacyAccountant(self.sample_rate, sigma, dp_config.accountant, dp_config.sampling)
         # (norms, mask) of each micro-batch since the last metrics(), kept on the device: reading them every step
         # would sync the host with the GPU.
