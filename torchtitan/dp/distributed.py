@@ -18,6 +18,7 @@ import math
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp._fully_shard._fsdp_common import _from_local_no_grad
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 
@@ -242,14 +243,18 @@ class ShardedGradReducer(_BucketedReducer):
             if type(placement) is Replicate:  # HSDP: the replicas hold the same shards of other samples
                 dist.all_reduce(reduced, group=mesh.get_group(dim))
         for param, chunk in zip(params, reduced.split(widths)):
-            local = param.to_local()
-            shard = chunk.view(-1, *param.shape[1:])[: local.shape[0]]  # FSDP2 pads the last shards
+            shard = chunk.view(-1, *param.shape[1:])[: param._local_tensor.shape[0]]  # FSDP2 pads the last shards
             if param.grad is None:
-                param.grad = DTensor.from_local(
-                    shard, mesh, placements, run_check=False, shape=param.shape, stride=param.stride()
-                )
+                param.grad = _grad_of(param, shard)
             else:
-                param.grad.to_local().add_(shard)
+                param.grad._local_tensor.add_(shard)
+
+
+def _grad_of(param: DTensor, shard: torch.Tensor) -> DTensor:
+    """A gradient of `param` made of this rank's `shard`, with the param's own spec, as FSDP2 makes the gradients it
+    reduces: `DTensor.from_local` costs ten times the host time (46 against 4.4 us on CI's CPU), for each parameter
+    of the model at every step."""
+    return _from_local_no_grad(shard, param._spec)
 
 
 def _padded_numel(param: DTensor, shard_dim: int) -> int:
@@ -269,8 +274,11 @@ def _pack_chunks(dst: torch.Tensor, grad: torch.Tensor | None, rows: int) -> Non
     if grad is None:
         dst.zero_()
         return
-    grad = grad.reshape(rows, -1)
     full, rest = divmod(rows, chunk)
+    if full == ranks:  # the rows split evenly (most parameters): one copy, no padding to zero
+        dst.copy_(grad.reshape(dst.shape))
+        return
+    grad = grad.reshape(rows, -1)
     dst[:full].copy_(grad[: full * chunk].view(full, chunk, -1))
     if rest:
         dst[full, :rest].copy_(grad[full * chunk :])
