@@ -89,6 +89,23 @@ def _check_topology(rank, topology, model, batch, refs, ref_norms, max_norm):
                 assert err < 1e-4, f"{topology} {mode} step {step} {name}: relative error {err:.2e}"
 
 
+def _check_ema_of_shards(model, topology):
+    """Not DP, but FSDP's ranks are here: the EMA, updated on each rank's local shards, is the plain model's
+    average (decay 0.75 after the weights step to 2 w + 1)."""
+    from torchtitan.components.ema import EMA
+
+    sharded, _ = _parallelize(copy.deepcopy(model), topology)
+    ema = EMA(sharded, 0.75)
+    start = dict(model.named_parameters())
+    with torch.no_grad():
+        for p in sharded.parameters():
+            p.mul_(2.0).add_(1.0)
+    ema.update()
+    for name, shadow in zip(ema.names, ema.shadow, strict=True):
+        w = start[name].detach()
+        torch.testing.assert_close(shadow.full_tensor(), 0.75 * w + 0.25 * (2 * w + 1), rtol=0, atol=1e-6)
+
+
 def _worker(rank, port, topologies):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -108,6 +125,8 @@ def _worker(rank, port, topologies):
         vanilla = {k: v.mean(0) for k, v in grads.items()}
         for topology in topologies:
             _check_topology(rank, topology, model, batch, (ref, vanilla), ref_norms, max_norm)
+            if topology == "fsdp":
+                _check_ema_of_shards(model, topology)
     finally:
         gc.collect()  # the checks' DDP/FSDP state holds process-group handles: free it before teardown (train.py)
         dist.destroy_process_group()

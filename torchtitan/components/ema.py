@@ -7,10 +7,16 @@ import contextlib
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 def clean_fqn(name: str) -> str:
     return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (its local tensor, which in-place updates write through), else the tensor."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
 class EMA:
@@ -32,8 +38,11 @@ class EMA:
     @torch.no_grad()
     def update(self) -> None:
         decay = self.current_decay()
-        sources = [p.detach().float() if p.dtype != torch.float32 else p.detach() for p in self.params]
-        torch._foreach_lerp_(self.shadow, sources, 1.0 - decay)
+        # On the local shards under FSDP: DTensor's dispatch for each of a model's tensors cost 2.8 ms of host a step
+        # against 0.2 (a DiT of 28 blocks over 2 ranks, CI's CPU).
+        sources = [_local(p).detach() for p in self.params]
+        sources = [s.float() if s.dtype != torch.float32 else s for s in sources]
+        torch._foreach_lerp_([_local(e) for e in self.shadow], sources, 1.0 - decay)
         self.num_updates += 1
 
     @torch.no_grad()
